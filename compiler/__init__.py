@@ -1,0 +1,1 @@
+"""Kiln's build side: recipe -> checkpoint -> ONNX (+ variants) -> validated artifact folder."""

@@ -1,0 +1,23 @@
+"""Errors of the build side. Each is turned into one clear line by the CLI (traceback with --debug)."""
+
+from runtime.errors import KilnError
+
+
+class RecipeError(KilnError):
+    """The recipe file is malformed or names impossible values."""
+
+
+class CheckpointError(KilnError):
+    """The checkpoint cannot be found or is not something Kiln can load."""
+
+
+class UnsupportedArchitecture(CheckpointError):
+    """The checkpoint's architecture has no entry in the family table."""
+
+
+class ExportError(KilnError):
+    """torch -> ONNX export failed."""
+
+
+class ExportMismatch(KilnError):
+    """The exported graph disagrees with eager PyTorch beyond the fp32 tolerance."""

@@ -1,0 +1,207 @@
+"""The export stage: torch model -> one ONNX graph with KV-cache inputs and outputs.
+
+One graph serves prefill (past = 0) and decode (seq = 1): batch, seq and past are dynamic.
+
+    input_ids [b, s] ─┐
+    attention_mask [b, p+s] ─┤                      ┌─> logits [b, 1 | s, vocab]
+    position_ids [b, s] ─────┼─> transformers model ┤
+    past_key_values.{i}.key/value [b, kv, p, d] ─┘  └─> present.{i}.key/value [b, kv, p+s, d]
+
+The exporter is torch.onnx's dynamo path (torch.export): it traces the transformers model through
+its real Cache classes with symbolic shapes, so no branch is frozen at trace time (the TorchScript
+path froze them) and the graph is about a third the size. Sample inputs use batch, seq, past >= 2
+because torch.export specialises dimensions of size 0 and 1; past = 0 is then checked by the
+validate stage like every other shape.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ExportError
+from .families import Shapes, shapes_of
+from .load import Checkpoint
+from .recipe import ExportSpec
+
+MODEL_FILE = "model.onnx"
+INPUTS = ("input_ids", "attention_mask", "position_ids")
+# Protobuf cannot hold a message over 2 GiB: larger models keep their weights in model.onnx.data.
+EXTERNAL_DATA_THRESHOLD = 2**31 - 2**26
+
+
+@dataclass(frozen=True)
+class OnnxArtifact:
+    """An exported graph on disk plus the interface the runtime reads from the manifest."""
+
+    folder: Path
+    interface: dict[str, Any]
+    shapes: Shapes
+    node_count: int
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def model_path(self) -> Path:
+        return self.folder / MODEL_FILE
+
+
+def kv_names(layers: int, prefix: str) -> list[str]:
+    return [f"{prefix}.{i}.{kind}" for i in range(layers) for kind in ("key", "value")]
+
+
+def graph_interface(shapes: Shapes, logits: str) -> dict[str, Any]:
+    """The graph interface of the architecture doc, as recorded in manifest.json. KV names are
+    templates over `{layer}` in range(layers), so the manifest stays readable for 30+ layers."""
+    kv_in = ["batch", shapes.kv_heads, "past", shapes.head_dim]
+    kv_out = ["batch", shapes.kv_heads, "past + seq", shapes.head_dim]
+    logits_shape = ["batch", 1 if logits == "last" else "seq", shapes.vocab_size]
+    return {
+        "inputs": [
+            {"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+            {"name": "attention_mask", "dtype": "int64", "shape": ["batch", "past + seq"]},
+            {"name": "position_ids", "dtype": "int64", "shape": ["batch", "seq"]},
+            {"name": "past_key_values.{layer}.key", "dtype": "float32", "shape": kv_in},
+            {"name": "past_key_values.{layer}.value", "dtype": "float32", "shape": kv_in},
+        ],
+        "outputs": [
+            {"name": "logits", "dtype": "float32", "shape": logits_shape},
+            {"name": "present.{layer}.key", "dtype": "float32", "shape": kv_out},
+            {"name": "present.{layer}.value", "dtype": "float32", "shape": kv_out},
+        ],
+        "layers": shapes.layers,
+        "logits": logits,
+        "kv_layout": "batch, kv_heads, sequence, head_dim",
+        "kv_sharing": "none",  # present is a new tensor: past followed by this step's keys and values
+        "padding": "left",
+        "kv_heads": shapes.kv_heads,
+        "head_dim": shapes.head_dim,
+        "vocab_size": shapes.vocab_size,
+    }
+
+
+def _make_wrapper(model: Any, layers: int, logits: str) -> Any:
+    import torch
+    from transformers import DynamicCache
+
+    keep = 1 if logits == "last" else 0  # transformers: logits_to_keep=0 keeps every position
+
+    class KvCacheLM(torch.nn.Module):
+        """Flat tensors in and out around the model's Cache object, so ONNX sees plain names."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def forward(self, input_ids, attention_mask, position_ids, *past):  # noqa: ANN001
+            # No config: full-length layers for every family. Sliding-window families (Mistral)
+            # apply their window through the attention mask, and present stays past + seq long.
+            cache = DynamicCache()
+            for i in range(layers):
+                cache.update(past[2 * i], past[2 * i + 1], i)
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+                logits_to_keep=keep,
+            )
+            present = [t for layer in out.cache.layers for t in (layer.keys, layer.values)]
+            return (out.logits, *present)
+
+    return KvCacheLM().eval()
+
+
+def sample_inputs(shapes: Shapes, batch: int, seq: int, past: int) -> tuple:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, shapes.vocab_size, (batch, seq), generator=generator)
+    mask = torch.ones(batch, past + seq, dtype=torch.int64)
+    positions = torch.arange(past, past + seq).expand(batch, seq).contiguous()
+    kv_shape = (batch, shapes.kv_heads, past, shapes.head_dim)
+    kv = [torch.randn(kv_shape, generator=generator) for _ in range(2 * shapes.layers)]
+    return (ids, mask, positions, *kv)
+
+
+def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = False,
+           external_data_threshold: int = EXTERNAL_DATA_THRESHOLD) -> OnnxArtifact:
+    import torch
+
+    shapes = shapes_of(checkpoint.config)
+    wrapper = _make_wrapper(checkpoint.model, shapes.layers, cfg.logits)
+    batch, seq, past, total = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
+    dynamic_shapes = {
+        "input_ids": {0: batch, 1: seq},
+        "attention_mask": {0: batch, 1: total},
+        "position_ids": {0: batch, 1: seq},
+        "past": tuple({0: batch, 2: past} for _ in range(2 * shapes.layers)),
+    }
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        with _quiet(debug), torch.no_grad():
+            program = torch.onnx.export(
+                wrapper,
+                sample_inputs(shapes, batch=2, seq=3, past=4),
+                input_names=[*INPUTS, *kv_names(shapes.layers, "past_key_values")],
+                output_names=["logits", *kv_names(shapes.layers, "present")],
+                dynamic_shapes=dynamic_shapes,
+                opset_version=cfg.opset,
+                dynamo=True,
+                optimize=True,
+                verbose=debug,
+            )
+    except Exception as exc:  # the exporter raises many unrelated types; all mean the same to a user
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ExportError(
+            f"torch.onnx export of {checkpoint.source.spec} failed: {first} (rerun with --debug)"
+        ) from exc
+    weight_bytes = sum(p.numel() * p.element_size() for p in checkpoint.model.parameters())
+    external = weight_bytes >= external_data_threshold
+    path = folder / MODEL_FILE
+    program.save(str(path), external_data=external)
+    node_count = _finish_model_file(path, cfg.opset)
+    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if external else [])
+    return OnnxArtifact(folder, graph_interface(shapes, cfg.logits), shapes, node_count, files)
+
+
+def _finish_model_file(path: Path, opset: int) -> int:
+    """Lower the IR version to the least the opset needs: onnxruntime-gpu lags the CPU package and
+    refuses newer IR versions. Only the graph proto is rewritten; external weights stay untouched."""
+    import onnx
+
+    proto = onnx.load(str(path), load_external_data=False)
+    imports = [(o.domain or "ai.onnx", o.version) for o in proto.opset_import]
+    lowest = onnx.helper.find_min_ir_version_for(
+        [onnx.helper.make_operatorsetid(d if d != "ai.onnx" else "", v) for d, v in imports]
+    )
+    proto.ir_version = max(lowest, 8)  # IR 8 is the first with the model-local functions the exporter may emit
+    proto.producer_name = "kiln"
+    onnx.save(proto, str(path))
+    onnx.checker.check_model(str(path))
+    return len(proto.graph.node)
+
+
+@contextlib.contextmanager
+def _quiet(debug: bool):
+    """The exporter prints progress lines and warnings meant for torch developers; keep them for --debug."""
+    if debug:
+        yield
+        return
+    sink = io.StringIO()
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo", "torch.fx", "onnxscript")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(sink):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, level in zip(loggers, levels, strict=True):
+            lg.setLevel(level)

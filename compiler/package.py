@@ -1,0 +1,107 @@
+"""The package stage: tokenizer files, reports and manifest.json, in a staging folder that becomes the
+artifact by one rename at the very end, so a failed or interrupted compile leaves nothing behind."""
+
+from __future__ import annotations
+
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import shutil
+from collections.abc import Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from runtime import __version__ as kiln_version
+from runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
+
+from .load import Checkpoint
+from .progress import StageLog
+
+TOOLS = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tokenizers", "gguf")
+
+
+@contextlib.contextmanager
+def staging_folder(final: Path) -> Iterator[Path]:
+    """Yield an empty sibling folder of `final`; on success it replaces `final` by rename, on any
+    exception (KeyboardInterrupt included) it is deleted and `final` is left as it was."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir()
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    previous = final.parent / f".{final.name}.previous-{os.getpid()}"
+    if final.exists():
+        final.rename(previous)
+    staging.rename(final)
+    shutil.rmtree(previous, ignore_errors=True)
+
+
+def write_tokenizer(checkpoint: Checkpoint, folder: Path) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    checkpoint.tokenizer.save_pretrained(folder)
+    checkpoint.model.generation_config.save_pretrained(folder)
+    if not (folder / "tokenizer.json").is_file():
+        raise RuntimeError("the tokenizer was saved without tokenizer.json, which the runtime needs")
+
+
+def model_facts(checkpoint: Checkpoint, max_context: int) -> dict[str, Any]:
+    """What the runtime needs to know about the model besides the graph interface."""
+    config, generation = checkpoint.config, checkpoint.model.generation_config
+    eos = generation.eos_token_id if generation.eos_token_id is not None else config.eos_token_id
+    eos_ids = sorted({eos} if isinstance(eos, int) else set(eos or ()))
+    return {
+        "family": checkpoint.family.name,
+        "model_type": config.model_type,
+        "architecture": type(checkpoint.model).__name__,
+        "parameters": sum(p.numel() for p in checkpoint.model.parameters()),
+        "max_context": max_context,
+        "bos_token_id": generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id,
+        "eos_token_ids": eos_ids,
+        "pad_token_id": generation.pad_token_id,
+    }
+
+
+def tool_versions() -> dict[str, str]:
+    versions = {"kiln": kiln_version, "python": platform.python_version()}
+    for name in TOOLS:
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            versions[name] = metadata.version(name)
+    return versions
+
+
+def write_json(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2, sort_keys=False) + "\n")
+
+
+def hash_files(folder: Path, log: StageLog) -> dict[str, dict[str, Any]]:
+    """sha256 and size of every file under the folder but the manifest, keyed by relative path."""
+    paths = sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+    total = sum(p.stat().st_size for p in paths)
+    files = {}
+    with log.bar("hashing files", total=total) as advance:
+        for path in paths:
+            files[path.relative_to(folder).as_posix()] = {
+                "sha256": sha256_file(path, on_bytes=advance),
+                "size": path.stat().st_size,
+            }
+    return files
+
+
+def write_manifest(folder: Path, sections: dict[str, Any], log: StageLog) -> dict[str, Any]:
+    manifest = {
+        "schema_version": SCHEMA_VERSION,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **sections,
+        "tools": tool_versions(),
+        "files": hash_files(folder, log),
+    }
+    write_json(folder / MANIFEST, manifest)
+    return manifest

