@@ -1,0 +1,82 @@
+"""Choosing the next token on numpy: greedy, or sampling through the logits processors transformers
+applies, in its order: repetition penalty, temperature, top-k, top-p, min-p.
+
+Each request has its own numpy Generator seeded from its seed, so a seeded request draws the same
+tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 64
+    temperature: float = 0.0  # 0 means greedy
+    top_k: int = 0  # 0 disables
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = field(default_factory=tuple)
+
+    def problem(self) -> str | None:
+        """What is wrong with these values, in one line, or None."""
+        checks = (
+            (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
+            (self.temperature >= 0, f"temperature must be >= 0 (0 is greedy), got {self.temperature}"),
+            (self.top_k >= 0, f"top_k must be >= 0 (0 disables it), got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
+            (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
+            (all(self.stop), "stop strings must not be empty"),
+        )
+        return next((message for ok, message in checks if not ok), None)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
+    """transformers' RepetitionPenaltyLogitsProcessor: divide positive, multiply negative scores."""
+    if penalty == 1.0 or seen.size == 0:
+        return logits
+    logits = logits.copy()
+    scores = logits[seen]
+    logits[seen] = np.where(scores > 0, scores / penalty, scores * penalty)
+    return logits
+
+
+def filtered_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The distribution a sampled token is drawn from, after temperature, top-k, top-p and min-p."""
+    scores = logits.astype(np.float64) / params.temperature
+    if 0 < params.top_k < scores.size:
+        kth = np.partition(scores, -params.top_k)[-params.top_k]
+        scores = np.where(scores < kth, -np.inf, scores)
+    probs = _softmax(scores)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        # Keep the smallest prefix whose mass reaches top_p (the token that crosses it included).
+        drop = cumulative - probs[order] >= params.top_p
+        probs[order[drop]] = 0.0
+    if params.min_p > 0.0:
+        probs = np.where(probs < params.min_p * probs.max(), 0.0, probs)
+    return probs / probs.sum()
+
+
+def next_token(logits: np.ndarray, history: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    logits = apply_repetition_penalty(logits, np.unique(history), params.repetition_penalty)
+    if params.greedy:
+        return int(np.argmax(logits))
+    probs = filtered_probabilities(logits, params)
+    return int(rng.choice(probs.size, p=probs))
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    shifted = np.exp(scores - scores.max())
+    return shifted / shifted.sum()
