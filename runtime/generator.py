@@ -198,7 +198,7 @@ class Generator:
         return Event(row.index, token, delta, finish, result if finish else None)
 
     def _finish_reason(self, row: _Row, token: int, text: str) -> str | None:
-        if token in self.eos_ids:
+        if token in self.eos_ids and not row.params.ignore_eos:
             return "eos"
         if row.params.stop and any(s in text for s in row.params.stop):
             return "stop"

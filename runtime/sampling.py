@@ -22,6 +22,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False  # for benchmarks: always generate max_new_tokens
 
     def problem(self) -> str | None:
         """What is wrong with these values, in one line, or None."""
