@@ -27,6 +27,12 @@ from .recipe import ModelSpec
 # encoder, ...) is refused before any weight is read.
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# The model is loaded for export with transformers' eager attention, not SDPA. Traced, SDPA's
+# decomposition transposes the whole (GQA-expanded) key cache as a 3-D tensor every layer and step,
+# which ONNX Runtime cannot fold into its MatMul; eager attention's 4-D key transpose is fused into
+# FusedMatMul(transB). Measured on SmolLM2 (2 threads, context 100): decode step 218 -> 101 ms at
+# batch 32, 25.7 -> 22.4 ms at batch 1, and 1,916 nodes instead of 2,246. Same numbers to 1e-6.
+ATTENTION_FOR_EXPORT = "eager"
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,8 @@ def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
         kwargs = {**kwargs, "config": config}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source.folder, trust_remote_code=False, dtype=torch.float32, **kwargs
+            source.folder, trust_remote_code=False, dtype=torch.float32,
+            attn_implementation=ATTENTION_FOR_EXPORT, **kwargs
         )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0]

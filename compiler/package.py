@@ -98,7 +98,7 @@ def hash_files(folder: Path, log: StageLog) -> dict[str, dict[str, Any]]:
 def write_manifest(folder: Path, sections: dict[str, Any], log: StageLog) -> dict[str, Any]:
     manifest = {
         "schema_version": SCHEMA_VERSION,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **sections,
         "tools": tool_versions(),
         "files": hash_files(folder, log),
