@@ -9,10 +9,10 @@ import click
 
 from runtime.errors import KilnError
 
-from .errors import CheckpointError, RecipeError
+from .errors import CheckpointError, OutputError, RecipeError
 
 # Bad input (exit 2) versus a compile that ran and failed (exit 1, e.g. ExportMismatch).
-BAD_INPUT = (RecipeError, CheckpointError)
+BAD_INPUT = (RecipeError, CheckpointError, OutputError)
 
 
 def _interrupt(signum: int, frame: object) -> None:

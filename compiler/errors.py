@@ -7,6 +7,10 @@ class RecipeError(KilnError):
     """The recipe file is malformed or names impossible values."""
 
 
+class OutputError(KilnError):
+    """The output folder cannot be used for the artifact."""
+
+
 class CheckpointError(KilnError):
     """The checkpoint cannot be found or is not something Kiln can load."""
 

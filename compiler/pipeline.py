@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .errors import RecipeError
+from .errors import OutputError, RecipeError
 from .export import OnnxArtifact, export
 from .load import Checkpoint, load_checkpoint
 from .package import model_facts, staging_folder, write_json, write_manifest, write_tokenizer
@@ -32,7 +32,8 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     variants = recipe.select_variants(variant_names)
     for variant in variants:
         _check_buildable(variant)
-    final = Path(out) if out is not None else Path("out") / recipe.name
+    _check_gates(recipe)
+    final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
     with staging_folder(final) as staging:
         with log.stage("load", recipe.model.source):
             checkpoint = load_checkpoint(recipe.model)
@@ -48,6 +49,9 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
                 f"max |logit error| {validation['max_abs_logit_error']:.3g} "
                 f"(relative {validation['max_rel_logit_error']:.2g}, tolerance {validation['tolerance_relative']:g})"
             )
+        if recipe.validate_.prompts:
+            log.note("validate.prompts: the prompt-based comparison is not built yet; the export was checked "
+                     "on random inputs only")
         with log.stage("variants", ", ".join(v.name for v in variants)):
             built = {v.name: _build_variant(v, exported, staging, log) for v in variants}
         with log.stage("package"):
@@ -57,6 +61,25 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             sections = _manifest_sections(recipe, checkpoint, exported, validation, built, log, started)
             write_manifest(staging, sections, log)
     return final
+
+
+def _output_folder(path: Path) -> Path:
+    """The artifact replaces `path` only if `path` is absent or an earlier artifact: never a user's folder."""
+    path = path.resolve()
+    if path.exists() and not (path / "manifest.json").is_file():
+        kind = "folder" if path.is_dir() else "file"
+        raise OutputError(f"--out {path}: a {kind} that is not a Kiln artifact is already there; choose a new folder")
+    return path
+
+
+def _check_gates(recipe: Recipe) -> None:
+    # Gates are pass/fail promises: accepting them without enforcing them would be a silent override.
+    gates = recipe.validate_.gates.model_dump(exclude_none=True)
+    if gates:
+        raise RecipeError(
+            f"validate.gates: {', '.join(gates)} cannot be enforced yet (this version validates the export on "
+            "random inputs against eager torch, with a fixed fp32 tolerance); remove validate.gates"
+        )
 
 
 def _check_context(recipe: Recipe, checkpoint: Checkpoint) -> None:

@@ -160,3 +160,26 @@ def test_tampered_artifact_is_refused(tiny_artifacts, tmp_path):
         handle.write(" ")
     with pytest.raises(ArtifactError, match="tokenizer/tokenizer.json has the wrong size"):
         Artifact.open(copy)
+
+
+def test_output_over_a_foreign_folder_is_refused(tiny_checkpoints, tmp_path):
+    import subprocess
+    import sys
+
+    precious = tmp_path / "home"
+    precious.mkdir()
+    (precious / "notes.txt").write_text("keep me")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"])
+    result = subprocess.run([sys.executable, "-m", "compiler.cli", str(recipe), "--out", str(precious)],
+                            capture_output=True, text=True)
+    assert result.returncode == 2
+    assert "a folder that is not a Kiln artifact is already there; choose a new folder" in result.stderr
+    assert (precious / "notes.txt").read_text() == "keep me"
+
+
+def test_gates_are_refused_until_enforced(tiny_checkpoints, tmp_path):
+    from compiler.errors import RecipeError
+
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], extra="validate: {gates: {greedy_match: 0.9}}\n")
+    with pytest.raises(RecipeError, match="validate.gates: greedy_match cannot be enforced yet"):
+        compile_recipe(recipe, tmp_path / "out")
