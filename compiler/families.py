@@ -23,6 +23,10 @@ class Family:
     positions: str
     # Config attributes, in order of preference, that give the number of KV heads.
     kv_heads_attrs: tuple[str, ...] = ("num_key_value_heads", "num_attention_heads")
+    # The transformers attention implementation the export traces (see compiler/load.py): "grouped"
+    # is compiler/attention.py, for families whose attention goes through AttentionInterface with the
+    # standard (module, query, key, value, mask, scaling) call; others keep transformers' "eager".
+    attention: str = "grouped"
     notes: str = ""
 
 
@@ -31,7 +35,7 @@ FAMILIES: dict[str, Family] = {
     "mistral": Family("Mistral", positions="rotary", notes="GQA, sliding window"),
     "qwen2": Family("Qwen2", positions="rotary", notes="GQA, QKV bias"),
     # GPT-2: fused c_attn Conv1D, learned position table, LayerNorm + GELU; multi-head KV.
-    "gpt2": Family("GPT-2", positions="learned", kv_heads_attrs=("n_head",)),
+    "gpt2": Family("GPT-2", positions="learned", kv_heads_attrs=("n_head",), attention="eager"),
 }
 
 

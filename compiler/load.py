@@ -27,12 +27,18 @@ from .recipe import ModelSpec
 # encoder, ...) is refused before any weight is read.
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
-# The model is loaded for export with transformers' eager attention, not SDPA. Traced, SDPA's
-# decomposition transposes the whole (GQA-expanded) key cache as a 3-D tensor every layer and step,
-# which ONNX Runtime cannot fold into its MatMul; eager attention's 4-D key transpose is fused into
-# FusedMatMul(transB). Measured on SmolLM2 (2 threads, context 100): decode step 218 -> 101 ms at
-# batch 32, 25.7 -> 22.4 ms at batch 1, and 1,916 nodes instead of 2,246. Same numbers to 1e-6.
-ATTENTION_FOR_EXPORT = "eager"
+# The model is loaded for export with an explicit attention implementation, never SDPA. Traced,
+# SDPA's decomposition transposes the whole (GQA-expanded) key cache as a 3-D tensor every layer and
+# step, which ONNX Runtime cannot fold into its MatMul; eager attention's 4-D key transpose is fused
+# into FusedMatMul(transB). Measured on SmolLM2 (2 threads, context 100): decode step 218 -> 101 ms
+# at batch 32, 25.7 -> 22.4 ms at batch 1, 1,916 nodes instead of 2,246, same numbers to 1e-6.
+# Families marked "grouped" also skip repeat_kv's copy of the cache (compiler/attention.py).
+def attention_for_export(family: Family) -> str:
+    if family.attention == "grouped":
+        from .attention import register
+
+        return register()
+    return family.attention
 
 
 @dataclass(frozen=True)
@@ -128,7 +134,7 @@ def load_checkpoint(spec: ModelSpec) -> Checkpoint:
         _check_is_causal_lm(source, config)
     family = family_for(config)
     weights_kwargs = _weights_kwargs(source, spec)
-    model = _load_model(source, config, weights_kwargs)
+    model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)})
     tokenizer = _load_tokenizer(source)
     return Checkpoint(source, _source_sha256(source), model, tokenizer, family)
 
@@ -185,8 +191,7 @@ def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
         kwargs = {**kwargs, "config": config}
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            source.folder, trust_remote_code=False, dtype=torch.float32,
-            attn_implementation=ATTENTION_FOR_EXPORT, **kwargs
+            source.folder, trust_remote_code=False, dtype=torch.float32, **kwargs
         )
     except (ValueError, OSError, KeyError, RuntimeError) as exc:
         first = str(exc).strip().splitlines()[0]

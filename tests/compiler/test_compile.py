@@ -183,3 +183,19 @@ def test_gates_are_refused_until_enforced(tiny_checkpoints, tmp_path):
     recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], extra="validate: {gates: {greedy_match: 0.9}}\n")
     with pytest.raises(RecipeError, match="validate.gates: greedy_match cannot be enforced yet"):
         compile_recipe(recipe, tmp_path / "out")
+
+
+def test_validation_reference_is_transformers_own_attention(tiny_checkpoints, tmp_path, monkeypatch):
+    import compiler.attention
+
+    original = compiler.attention.grouped_attention
+
+    def unscaled(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+        return original(module, query, key, value, attention_mask, 1.0)
+
+    # A bug in the export-only attention must fail the compile, not be traced into both sides.
+    monkeypatch.setattr(compiler.attention, "grouped_attention", unscaled)
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"])
+    with pytest.raises(ExportMismatch):
+        compile_recipe(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

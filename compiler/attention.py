@@ -1,0 +1,51 @@
+"""Grouped-query attention written for export, registered with transformers' AttentionInterface.
+
+transformers' eager attention repeats each KV head for its group of query heads (repeat_kv), which
+in the graph is an Expand that copies the whole key and value cache of every layer at every step.
+Folding the group into the query's sequence axis computes the same thing on the unrepeated cache:
+
+    query [b, heads, s, d] ──reshape──> [b, kv, g*s, d] ─┐
+    key   [b, kv, t, d] ──transpose──> [b, kv, d, t] ───MatMul──> scores [b, kv, g*s, t]
+                                                            │ * scaling, + mask (broadcast over g)
+                                                         Softmax (fp32)
+    value [b, kv, t, d] ───────────────────────────────MatMul──> [b, kv, g*s, d]
+                                                         reshape ─> [b, heads, s, d] ─> [b, s, heads, d]
+
+Head h belongs to KV head h // g in transformers' repeat_kv, which is exactly the order the
+reshape of the contiguous head axis produces. The 4-D key transpose is fused by ONNX Runtime into
+FusedMatMul(transB), like eager attention's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NAME = "kiln_grouped"
+
+
+def grouped_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float,
+                      dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
+    import torch
+
+    batch, heads, seq, head_dim = query.shape
+    kv_heads, total = key.shape[1], key.shape[2]
+    group = heads // kv_heads
+    grouped_query = query.reshape(batch, kv_heads, group * seq, head_dim)
+    scores = torch.matmul(grouped_query, key.transpose(2, 3)) * scaling
+    if attention_mask is not None:
+        mask = attention_mask[:, :, :, :total].unsqueeze(2)  # [b, 1, 1, s, t], shared by the group
+        scores = scores.reshape(batch, kv_heads, group, seq, total) + mask
+        scores = scores.reshape(batch, kv_heads, group * seq, total)
+    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    output = torch.matmul(weights, value).reshape(batch, heads, seq, head_dim)
+    return output.transpose(1, 2).contiguous(), None
+
+
+def register() -> str:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask
+
+    AttentionInterface.register(NAME, grouped_attention)
+    # The additive float mask that eager attention takes (an unknown name would get SDPA's boolean one).
+    AttentionMaskInterface.register(NAME, eager_mask)
+    return NAME
