@@ -55,6 +55,7 @@ class OnnxRuntimeBackend:
         self.past_names = _kv_order(expand(interface["inputs"][3:], layers))
         self.output_names = ["logits", *_kv_order(expand(interface["outputs"][1:], layers))]
         self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
+        self.vocab_size = interface["vocab_size"]
 
     def empty_cache(self, batch: int) -> list[np.ndarray]:
         return [np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32) for _ in self.past_names]

@@ -136,7 +136,7 @@ class Generator:
 
     @property
     def backend_vocab(self) -> int:
-        return self.artifact.manifest["interface"]["vocab_size"]
+        return self.backend.vocab_size
 
     # -- the decode loop ---------------------------------------------------------------------------
 
@@ -175,7 +175,9 @@ class Generator:
         return ids, mask
 
     def _pick(self, row: _Row, logits: np.ndarray) -> int:
-        history = np.asarray(row.prompt + row.result.token_ids, np.int64)
+        # The history matters only to the repetition penalty; skip building it on the greedy hot path.
+        history = np.asarray(row.prompt + row.result.token_ids, np.int64) if row.params.repetition_penalty != 1.0 \
+            else np.empty(0, np.int64)
         return next_token(logits, history, row.params, row.rng)
 
     def _advance(self, row: _Row, token: int) -> Event:

@@ -71,7 +71,8 @@ def filtered_probabilities(logits: np.ndarray, params: SamplingParams) -> np.nda
 
 
 def next_token(logits: np.ndarray, history: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    logits = apply_repetition_penalty(logits, np.unique(history), params.repetition_penalty)
+    if params.repetition_penalty != 1.0:
+        logits = apply_repetition_penalty(logits, np.unique(history), params.repetition_penalty)
     if params.greedy:
         return int(np.argmax(logits))
     probs = filtered_probabilities(logits, params)
