@@ -60,7 +60,7 @@ def bench_kiln(artifact: Path, prompts: list[list[int]], new_tokens: int, repeat
 
     generator = Generator.load(artifact, threads=threads, max_batch_size=len(prompts))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
-    generator.generate(prompts[:2], SamplingParams(max_new_tokens=4))  # warm-up, outside the timings
+    generator.warmup()  # outside the timings
     totals, ttfts = [], []
     for _ in range(repeats):
         start = time.perf_counter()

@@ -69,7 +69,7 @@ class Generator:
         model = artifact.manifest["model"]
         self.max_context = model["max_context"]
         self.eos_ids = set(model["eos_token_ids"]) | set(_generation_eos(artifact.tokenizer_dir))
-        self.pad_id = next(iter(sorted(self.eos_ids)), 0)  # any valid id: pads are masked out
+        self.pad_id = min(self.eos_ids, default=0)  # any valid id: pads are masked out
 
     @classmethod
     def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[str] | None = None,
@@ -130,13 +130,9 @@ class Generator:
             raise ValueError("empty prompt")
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; this artifact's max context is {self.max_context}")
-        if max(ids) >= self.backend_vocab or min(ids) < 0:
-            raise ValueError(f"token ids must be in [0, {self.backend_vocab})")
+        if max(ids) >= self.backend.vocab_size or min(ids) < 0:
+            raise ValueError(f"token ids must be in [0, {self.backend.vocab_size})")
         return ids
-
-    @property
-    def backend_vocab(self) -> int:
-        return self.backend.vocab_size
 
     # -- the decode loop ---------------------------------------------------------------------------
 

@@ -8,8 +8,6 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .errors import ArtifactError
-
 SPECIAL_KEYS = ("bos_token", "eos_token", "unk_token", "pad_token")
 
 
@@ -45,13 +43,19 @@ class Tokenizer:
         return template if isinstance(template, str) else None
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Raises ValueError for what is wrong with this request (no template, a template's own check)."""
+        from jinja2 import TemplateError
+
         if self.chat_template is None:
-            raise ArtifactError(f"{self.folder}: the model has no chat template, so chat prompts cannot be used")
-        text = _compiled(self.chat_template).render(
-            messages=messages,
-            add_generation_prompt=add_generation_prompt,
-            **{key: self.special_token(key) for key in SPECIAL_KEYS},
-        )
+            raise ValueError("the model has no chat template, so chat prompts cannot be used")
+        try:
+            text = _compiled(self.chat_template).render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                **{key: self.special_token(key) for key in SPECIAL_KEYS},
+            )
+        except TemplateError as exc:
+            raise ValueError(f"chat template failed: {exc}") from None
         # The template writes the special tokens itself, as transformers' apply_chat_template assumes.
         return self.encode(text, add_special_tokens=False)
 

@@ -182,3 +182,17 @@ def test_filters_match_transformers_warpers():
         theirs = torch.softmax(scores.double(), -1)[0].numpy()
         assert np.array_equal(ours > 0, theirs > 0)
         np.testing.assert_allclose(ours, theirs, atol=1e-6)
+
+
+def test_chat_prompt_without_template_fails_alone(tiny_artifacts, tmp_path):
+    import shutil
+
+    copy = shutil.copytree(tiny_artifacts["gpt2"], tmp_path / "copy")
+    (copy / "tokenizer" / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((copy / "tokenizer" / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (copy / "tokenizer" / "tokenizer_config.json").write_text(json.dumps(config))
+    generator = Generator.load(copy, verify=False)
+    results = generator.generate(["plain", [{"role": "user", "content": "hi"}]], SamplingParams(max_new_tokens=3))
+    assert results[0].error is None and results[0].generated_tokens >= 1
+    assert results[1].error == "the model has no chat template, so chat prompts cannot be used"
