@@ -25,3 +25,7 @@ class ExportError(KilnError):
 
 class ExportMismatch(KilnError):
     """The exported graph disagrees with eager PyTorch beyond the fp32 tolerance."""
+
+
+class GateFailure(KilnError):
+    """A variant missed an accuracy gate of the recipe."""

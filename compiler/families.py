@@ -57,10 +57,12 @@ class Shapes:
     """What the graph interface needs to know about a checkpoint."""
 
     layers: int
+    heads: int
     kv_heads: int
     head_dim: int
     vocab_size: int
     max_positions: int
+    sliding_window: int | None = None  # attention span in slots (Mistral); None attends to everything
 
 
 def shapes_of(config: object) -> Shapes:
@@ -70,8 +72,10 @@ def shapes_of(config: object) -> Shapes:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Shapes(
         layers=config.num_hidden_layers,
+        heads=heads,
         kv_heads=kv_heads,
         head_dim=head_dim,
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
+        sliding_window=getattr(config, "sliding_window", None) or None,
     )

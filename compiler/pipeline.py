@@ -1,4 +1,5 @@
-"""compile-model's pipeline: recipe -> load -> export -> validate -> variants -> package.
+"""compile-model's pipeline: recipe -> load -> export -> validate -> per variant (optimize -> quantize ->
+accuracy gates) -> package.
 
 Each stage is a function from one artifact to the next; this module only sequences them, times
 them, and makes sure the result appears all at once or not at all.
@@ -11,28 +12,40 @@ import resource
 import shutil
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import OutputError, RecipeError
+from runtime.backend import OnnxRuntimeBackend
+
+from .accuracy import Inputs, Reference, failed_gates, measure, reference_run, text_rows
+from .errors import GateFailure, OutputError, RecipeError
 from .export import OnnxArtifact, export
 from .load import Checkpoint, load_checkpoint
+from .optimize import optimize
 from .package import model_facts, staging_folder, write_json, write_manifest, write_tokenizer
 from .progress import StageLog
-from .recipe import Recipe, Variant, load_recipe
+from .quantize import check_finite, quantize
+from .recipe import (
+    DEFAULT_CALIBRATION,
+    DEFAULT_PROMPTS,
+    DEFAULT_TEXT,
+    Recipe,
+    Variant,
+    load_recipe,
+    read_prompts,
+    resolve_path,
+)
 from .validate_export import CASES, validate_export
 
 
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, variant_names: Sequence[str] = (),
-                   debug: bool = False, log: StageLog | None = None) -> Path:
+                   debug: bool = False, keep_failed: bool = False, log: StageLog | None = None) -> Path:
     """Build the artifact a recipe describes; returns its folder."""
     log = log or StageLog()
     started = time.perf_counter()
-    recipe, _ = load_recipe(recipe_path)
+    recipe, base = load_recipe(recipe_path)
     variants = recipe.select_variants(variant_names)
-    for variant in variants:
-        _check_buildable(variant)
-    _check_gates(recipe)
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
     with staging_folder(final) as staging:
         with log.stage("load", recipe.model.source):
@@ -49,11 +62,17 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
                 f"max |logit error| {validation['max_abs_logit_error']:.3g} "
                 f"(relative {validation['max_rel_logit_error']:.2g}, tolerance {validation['tolerance_relative']:g})"
             )
-        if recipe.validate_.prompts:
-            log.note("validate.prompts: the prompt-based comparison is not built yet; the export was checked "
-                     "on random inputs only")
-        with log.stage("variants", ", ".join(v.name for v in variants)):
-            built = {v.name: _build_variant(v, exported, staging, log) for v in variants}
+        with log.stage("reference", "fp32 export on the validation prompts and held-out text"):
+            data = _validation_data(recipe, base, checkpoint)
+            reference = reference_run(OnnxRuntimeBackend(exported.model_path, exported.interface), data.inputs)
+        built = {}
+        for variant in variants:
+            with log.stage(f"variant {variant.name}", _describe(variant)):
+                built[variant.name] = _build_variant(variant, exported, staging, data, reference, recipe, log)
+        failed = {n: v["failed_gates"] for n, v in built.items() if v["status"] == "failed"}
+        if failed and not keep_failed:
+            lines = "; ".join(f"{n}: {', '.join(g)}" for n, g in failed.items())
+            raise GateFailure(f"accuracy gates missed: {lines} (compile with --keep-failed to keep and inspect them)")
         with log.stage("package"):
             shutil.rmtree(staging / ".work")
             write_tokenizer(checkpoint, staging / "tokenizer")
@@ -72,16 +91,6 @@ def _output_folder(path: Path) -> Path:
     return path
 
 
-def _check_gates(recipe: Recipe) -> None:
-    # Gates are pass/fail promises: accepting them without enforcing them would be a silent override.
-    gates = recipe.validate_.gates.model_dump(exclude_none=True)
-    if gates:
-        raise RecipeError(
-            f"validate.gates: {', '.join(gates)} cannot be enforced yet (this version validates the export on "
-            "random inputs against eager torch, with a fixed fp32 tolerance); remove validate.gates"
-        )
-
-
 def _check_context(recipe: Recipe, checkpoint: Checkpoint) -> None:
     limit = checkpoint.config.max_position_embeddings
     if recipe.export.max_context > limit:
@@ -91,44 +100,68 @@ def _check_context(recipe: Recipe, checkpoint: Checkpoint) -> None:
         )
 
 
-# What each (target, precision, quantize mode) needs that this version can build. A variant whose
-# stages are missing is refused before any heavy work rather than built wrong.
-def _check_buildable(variant: Variant) -> None:
-    if variant.target == "tensorrt":
-        return  # reported as skipped with its reason; see _build_variant
+def _describe(variant: Variant) -> str:
     mode = variant.quantize.mode if variant.quantize else None
-    if (variant.precision, mode) != ("fp32", None):
-        raise RecipeError(
-            f"variants.{variant.name}: precision {variant.precision}"
-            + (f" with quantize mode {mode}" if mode else "")
-            + " needs the optimize/quantize stages, which this version of Kiln does not have yet; "
-            "build the fp32 variants with --variant"
-        )
+    parts = [variant.target, variant.precision, mode, "fused" if variant.fuse else None]
+    return ", ".join(p for p in parts if p)
 
 
-def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, log: StageLog) -> dict[str, Any]:
+@dataclass
+class ValidationData:
+    inputs: Inputs
+    calibration: list[list[int]]
+
+
+def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> ValidationData:
+    tokenizer = checkpoint.tokenizer
+    encode = lambda text: tokenizer(text, add_special_tokens=True)["input_ids"]  # noqa: E731
+    prompts_file = resolve_path(base, recipe.validate_.prompts) if recipe.validate_.prompts else DEFAULT_PROMPTS
+    text_file = resolve_path(base, recipe.validate_.text) if recipe.validate_.text else DEFAULT_TEXT
+    calibration = [v.quantize.calibration for v in recipe.variants if v.quantize and v.quantize.calibration]
+    calibration_file = resolve_path(base, calibration[0]) if calibration else DEFAULT_CALIBRATION
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
+    limit = recipe.export.max_context - recipe.validate_.max_new_tokens
+    prompts = [encode(p)[-limit:] for p in read_prompts(prompts_file)]
+    inputs = Inputs(text_rows(encode(text_file.read_text())), prompts, recipe.validate_.max_new_tokens, pad)
+    return ValidationData(inputs, [encode(p)[: recipe.export.max_context] for p in read_prompts(calibration_file)])
+
+
+def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data: ValidationData,
+                   reference: Reference, recipe: Recipe, log: StageLog) -> dict[str, Any]:
     entry: dict[str, Any] = {"target": variant.target, "precision": variant.precision,
-                             "quantize": variant.quantize.model_dump() if variant.quantize else None}
-    if variant.target == "tensorrt":
-        reason = "TensorRT engine builds are not implemented in this version of Kiln"
-        log.note(f"{variant.name}: skipped: {reason}")
-        return {**entry, "status": "skipped", "reason": reason}
+                             "quantize": variant.quantize.model_dump() if variant.quantize else None,
+                             "fuse": variant.fuse}
+    work = staging / ".work" / variant.name
+    graph, optimized = optimize(exported, variant.target, variant.fuse, work / "optimized")
+    log.note(f"optimize: {optimized['nodes_before']} -> {optimized['nodes_after']} nodes; "
+             + ", ".join(f"{k} {v}" for k, v in optimized["rules"].items()))
+    report: dict[str, Any] = {"optimize": optimized}
+    if variant.quantize or variant.precision != "fp32":
+        graph, report["quantize"] = quantize(graph, variant, data.calibration, work / "quantized")
+        check_finite(graph, data.calibration)
+    metrics = measure(OnnxRuntimeBackend(graph.model_path, graph.interface), data.inputs, reference)
+    gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
+    failures = failed_gates(metrics, gates)
+    report["accuracy"] = {**metrics, "gates": gates, "failed_gates": failures}
+    log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
+             f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
+             + (f"; FAILED {', '.join(failures)}" if failures else ""))
     folder = staging / "variants" / variant.name
     folder.mkdir(parents=True)
-    for name in exported.files:
-        _link_or_copy(exported.folder / name, folder / name)
-    files = [f"variants/{variant.name}/{name}" for name in exported.files]
-    log.note(f"{variant.name}: the validated fp32 export, unchanged")
-    return {**entry, "status": "built", "files": files, "model": files[0], "node_count": exported.node_count,
-            "interface": exported.interface}
-
-
-def _link_or_copy(source: Path, target: Path) -> None:
-    # The export folder is deleted before packaging, so a hard link costs no disk and no time.
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copy2(source, target)
+    for name in graph.files:
+        os.replace(graph.folder / name, folder / name)
+    write_json(folder / "report.json", report)
+    files = [f"variants/{variant.name}/{name}" for name in graph.files]
+    summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
+               "fusions": optimized["rules"], "accuracy": {k: v for k, v in metrics.items() if k != "first_divergence"},
+               "report": f"variants/{variant.name}/report.json"}
+    if failures:
+        return {**entry, **summary, "status": "failed", "failed_gates": failures}
+    if variant.target == "tensorrt":
+        reason = "TensorRT engine builds are not implemented in this version of Kiln; the graph it would get is kept"
+        log.note(f"{variant.name}: engine skipped: {reason}")
+        return {**entry, **summary, "status": "skipped", "reason": reason}
+    return {**entry, **summary, "status": "built"}
 
 
 def _manifest_sections(recipe: Recipe, checkpoint: Checkpoint, exported: OnnxArtifact, validation: dict,

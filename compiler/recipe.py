@@ -61,32 +61,27 @@ class Profiles(_Strict):
 
 class QuantizeSpec(_Strict):
     mode: Literal["int8-dynamic", "int8-static", "int4"]
+    # int8-static: a JSON-lines file of {"prompt": ...}, relative to the recipe; the default set
+    # ships in recipes/data/calibration.jsonl.
     calibration: str | None = None
     method: Literal["minmax", "entropy", "percentile"] = "minmax"
+    # int8-dynamic, int4: weights per block of this many input features (MatMulNBits).
+    block_size: Literal[16, 32, 64, 128, 256] = 32
+    # Module-path globs kept in fp32, e.g. ["lm_head", "model.layers.*.mlp.down_proj"].
+    exclude: list[str] = []
 
 
-# Which quantize modes each target can execute; the schema refuses the rest up front.
-QUANTIZE_MODES_BY_TARGET = {
-    "onnxruntime": {"int8-dynamic", "int8-static", "int4"},
-    "tensorrt": {"int8-static"},
+# What each target can execute, as (precision, quantize mode); the schema refuses the rest up front.
+BUILDS_BY_TARGET = {
+    "onnxruntime": {("fp32", None), ("fp32", "int8-dynamic"), ("fp32", "int8-static"), ("fp32", "int4"),
+                    ("fp16", None)},
+    "tensorrt": {("fp32", None), ("fp16", None), ("fp32", "int8-static")},
 }
-
-
-class Variant(_Strict):
-    name: str = Field(pattern=NAME_PATTERN)
-    target: Literal["onnxruntime", "tensorrt"]
-    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
-    quantize: QuantizeSpec | None = None
-    profiles: Profiles | None = None
-
-    @model_validator(mode="after")
-    def _fits_target(self) -> Variant:
-        if self.profiles is not None and self.target != "tensorrt":
-            raise ValueError("profiles: only tensorrt variants take optimization profiles")
-        if self.quantize is not None and self.quantize.mode not in QUANTIZE_MODES_BY_TARGET[self.target]:
-            allowed = ", ".join(sorted(QUANTIZE_MODES_BY_TARGET[self.target]))
-            raise ValueError(f"quantize.mode: {self.quantize.mode} cannot run on {self.target}; allowed: {allowed}")
-        return self
+DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+DEFAULT_CALIBRATION = DATA / "calibration.jsonl"
+DEFAULT_PROMPTS = DATA / "prompts.jsonl"
+DEFAULT_TEXT = DATA / "heldout.txt"
+MIN_CALIBRATION_PROMPTS = 8
 
 
 class Gates(_Strict):
@@ -96,8 +91,36 @@ class Gates(_Strict):
     max_logit_error: float | None = Field(None, gt=0)
 
 
+class Variant(_Strict):
+    name: str = Field(pattern=NAME_PATTERN)
+    target: Literal["onnxruntime", "tensorrt"]
+    precision: Literal["fp32", "fp16", "bf16"] = "fp32"
+    quantize: QuantizeSpec | None = None
+    # onnxruntime: contrib-op fusions (GroupQueryAttention over shared KV buffers, RMSNorm). tensorrt
+    # graphs always stay standard ONNX.
+    fuse: bool = True
+    profiles: Profiles | None = None
+    # Overrides validate.gates for this variant (a quantized variant may get looser ones).
+    gates: Gates | None = None
+
+    @model_validator(mode="after")
+    def _fits_target(self) -> Variant:
+        if self.profiles is not None and self.target != "tensorrt":
+            raise ValueError("profiles: only tensorrt variants take optimization profiles")
+        build = (self.precision, self.quantize.mode if self.quantize else None)
+        if build not in BUILDS_BY_TARGET[self.target]:
+            allowed = ", ".join(f"{p}" + (f" + {m}" if m else "") for p, m in sorted(
+                BUILDS_BY_TARGET[self.target], key=lambda b: (b[0], b[1] or "")))
+            asked = build[0] + (f" + {build[1]}" if build[1] else "")
+            raise ValueError(f"{asked} cannot be built for {self.target}; allowed: {allowed}")
+        return self
+
+
 class ValidateSpec(_Strict):
+    # JSON lines of {"prompt": ...} and a plain-text file, relative to the recipe; the defaults ship
+    # in recipes/data/.
     prompts: str | None = None
+    text: str | None = None
     max_new_tokens: int = Field(32, ge=1)
     gates: Gates = Gates()
 
@@ -160,9 +183,45 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
 
 
 def _check_data_files(recipe: Recipe, base: Path, path: Path) -> None:
-    prompts = recipe.validate_.prompts
-    if prompts is not None and not (base / prompts).is_file():
-        raise RecipeError(f"recipe {path}: validate.prompts: file {base / prompts} does not exist")
+    for key, name, minimum in _data_files(recipe):
+        file = base / name if name else DEFAULT_CALIBRATION
+        where = f"recipe {path}: {key}: file {file}"
+        if not file.is_file():
+            raise RecipeError(f"{where} does not exist")
+        count = len(read_prompts(file, where))
+        if count < minimum:
+            raise RecipeError(f"{where} has {count} prompts; at least {minimum} are needed for meaningful ranges")
+    text = recipe.validate_.text
+    if text is not None and not (base / text).is_file():
+        raise RecipeError(f"recipe {path}: validate.text: file {base / text} does not exist")
+
+
+def _data_files(recipe: Recipe) -> list[tuple[str, str | None, int]]:
+    found = []
+    if recipe.validate_.prompts is not None:
+        found.append(("validate.prompts", recipe.validate_.prompts, 1))
+    for i, v in enumerate(recipe.variants):
+        if v.quantize is not None and v.quantize.mode == "int8-static":
+            found.append((f"variants.{i}.quantize.calibration", v.quantize.calibration, MIN_CALIBRATION_PROMPTS))
+    return found
+
+
+def read_prompts(file: Path, where: str = "") -> list[str]:
+    """A JSON-lines file of {"prompt": "..."} objects; blank lines are skipped."""
+    import json
+
+    prompts = []
+    for number, line in enumerate(file.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            entry = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise RecipeError(f"{where or file}: line {number} is not JSON: {exc.msg}") from None
+        if not isinstance(entry, dict) or not isinstance(entry.get("prompt"), str) or not entry["prompt"]:
+            raise RecipeError(f'{where or file}: line {number} must be an object with a non-empty "prompt" string')
+        prompts.append(entry["prompt"])
+    return prompts
 
 
 def describe_validation_error(exc: ValidationError) -> str:

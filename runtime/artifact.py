@@ -69,8 +69,12 @@ class Artifact:
                 raise ArtifactError(f"{self.folder}: file {relative} fails its sha256 check (modified after compile)")
 
     def variant(self, name: str | None = None) -> dict[str, Any]:
-        """A built variant's manifest entry; without a name, the first one built."""
-        built = {k: v for k, v in self.manifest["variants"].items() if v.get("status") == "built"}
+        """A built variant's manifest entry; without a name, the first one built. A variant that missed
+        its accuracy gates (kept by compile-model --keep-failed) loads only when named."""
+        variants = self.manifest["variants"]
+        if name is not None and variants.get(name, {}).get("status") == "failed":
+            return {"name": name, **variants[name]}
+        built = {k: v for k, v in variants.items() if v.get("status") == "built"}
         if not built:
             raise IncompatibleArtifact(f"{self.folder}: the artifact holds no built variant")
         if name is None:

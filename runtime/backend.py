@@ -1,7 +1,12 @@
-"""ONNX Runtime backend: run(input_ids, attention_mask, position_ids, past) -> (logits, present).
+"""ONNX Runtime backend: run(input_ids, attention_mask, position_ids, cache) -> (logits, cache).
 
-The names come from the manifest's interface, never from guesses. The KV cache is a list of numpy
-arrays, 2 per layer (key, value), in the interface's [batch, kv_heads, sequence, head_dim] layout.
+The names come from the manifest's interface, never from guesses. The KV cache holds numpy arrays,
+2 per layer (key, value), in the interface's [batch, kv_heads, sequence, head_dim] layout, in one of
+the two forms the interface's `kv_sharing` names:
+- "none": past has exactly the slots used so far; the graph returns present = past + this step.
+- "shared-buffer" (GroupQueryAttention graphs): each array is preallocated to the batch's capacity
+  and bound as both past and present, so ONNX Runtime writes this step's keys and values into it
+  in place and the cache is never copied.
 """
 
 from __future__ import annotations
@@ -50,19 +55,49 @@ class OnnxRuntimeBackend:
         options.inter_op_num_threads = 1
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+        options.log_severity_level = 3  # warnings about pruned initializers are noise to a user
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         layers = interface["layers"]
         self.past_names = _kv_order(expand(interface["inputs"][3:], layers))
         self.output_names = ["logits", *_kv_order(expand(interface["outputs"][1:], layers))]
         self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
         self.vocab_size = interface["vocab_size"]
+        self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
+        self.shared = interface.get("kv_sharing", "none") == "shared-buffer"
 
-    def empty_cache(self, batch: int) -> list[np.ndarray]:
-        return [np.zeros((batch, self.kv_heads, 0, self.head_dim), np.float32) for _ in self.past_names]
+    def new_cache(self, batch: int, capacity: int) -> list[np.ndarray]:
+        """An empty cache for `batch` rows; a shared-buffer cache holds up to `capacity` slots."""
+        length = capacity if self.shared else 0
+        return [np.zeros((batch, self.kv_heads, length, self.head_dim), self.kv_dtype) for _ in self.past_names]
+
+    @staticmethod
+    def keep_rows(cache: list[np.ndarray], rows: list[int]) -> list[np.ndarray]:
+        return [np.ascontiguousarray(layer[rows]) for layer in cache]
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-            past: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+            cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+        if self.shared:
+            return self._run_in_place(input_ids, attention_mask, position_ids, cache), cache
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        feed.update(zip(self.past_names, past, strict=True))
+        feed.update(zip(self.past_names, cache, strict=True))
         logits, *present = self.session.run(self.output_names, feed)
         return logits, present
+
+    def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                      cache: list[np.ndarray]) -> np.ndarray:
+        import onnxruntime as ort
+
+        if attention_mask.shape[1] > cache[0].shape[2]:
+            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache[0].shape[2]}")
+        binding = self.session.io_binding()
+        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                            ("position_ids", position_ids)):
+            binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
+        binding.bind_output("logits")
+        # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present.
+        for past_name, present_name, array in zip(self.past_names, self.output_names[1:], cache, strict=True):
+            value = ort.OrtValue.ortvalue_from_numpy(array)
+            binding.bind_ortvalue_input(past_name, value)
+            binding.bind_ortvalue_output(present_name, value)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()

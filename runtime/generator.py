@@ -145,7 +145,10 @@ class Generator:
     def _decode_batch(self, rows: list[_Row]) -> Iterator[Event]:
         input_ids, mask = self._left_padded(rows)
         positions = np.clip(mask.cumsum(-1) - 1, 0, None)
-        logits, cache = self.backend.run(input_ids, mask, positions, self.backend.empty_cache(len(rows)))
+        # Slots the batch can reach: the padded prompt plus the longest allowed continuation.
+        capacity = mask.shape[1] + min(max(r.params.max_new_tokens for r in rows), self.max_context)
+        cache = self.backend.new_cache(len(rows), capacity)
+        logits, cache = self.backend.run(input_ids, mask, positions, cache)
         while rows:
             tokens = [self._pick(row, logits[i, -1]) for i, row in enumerate(rows)]
             events = [self._advance(row, token) for row, token in zip(rows, tokens, strict=True)]
@@ -153,7 +156,7 @@ class Generator:
             keep = [i for i, e in enumerate(events) if e.finish_reason is None]
             if len(keep) < len(rows):
                 rows, mask = [rows[i] for i in keep], mask[keep]
-                cache = [layer[keep] for layer in cache]
+                cache = self.backend.keep_rows(cache, keep)
                 tokens = [tokens[i] for i in keep]
             if not rows:
                 break

@@ -69,12 +69,17 @@ def build_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
-def write_recipe(path: Path, source: Path | str, name: str = "tiny", extra: str = "") -> Path:
+FP32_VARIANT = "  - {name: cpu-fp32, target: onnxruntime}\n"
+UNFUSED_VARIANT = "  - {name: cpu-fp32-unfused, target: onnxruntime, fuse: false}\n"
+
+
+def write_recipe(path: Path, source: Path | str, name: str = "tiny", extra: str = "",
+                 variants: str = FP32_VARIANT) -> Path:
     path.write_text(
         f"name: {name}\n"
         f"model: {{source: \"{source}\"}}\n"
         "export: {opset: 18, max_context: 128, logits: last}\n"
-        "variants:\n  - {name: cpu-fp32, target: onnxruntime}\n" + extra
+        "variants:\n" + variants + extra
     )
     return path
 
@@ -93,7 +98,8 @@ def tiny_artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("artifacts")
     artifacts = {}
     for family, folder in tiny_checkpoints.items():
-        recipe = write_recipe(root / f"{family}.yaml", folder, name=f"tiny-{family}")
+        recipe = write_recipe(root / f"{family}.yaml", folder, name=f"tiny-{family}",
+                              variants=FP32_VARIANT + UNFUSED_VARIANT)
         artifacts[family] = compile_recipe(recipe, root / f"tiny-{family}")
     return artifacts
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -89,7 +90,7 @@ BAD = {
     ),
     "int8-dynamic on tensorrt": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, quantize: {mode: int8-dynamic}}"),
-        "quantize.mode: int8-dynamic cannot run on tensorrt; allowed: int8-static",
+        "variants.0: fp32 + int8-dynamic cannot be built for tensorrt; allowed: fp16, fp32, fp32 + int8-static",
     ),
     "profile context beyond max_context": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, profiles: {context: [1, 512, 4096]}}"),
@@ -101,7 +102,35 @@ BAD = {
     ),
     "malformed yaml": (("variants:\n", "variants: [\n"), "malformed YAML at line"),
     "missing prompts file": (("variants:\n", "validate: {prompts: nope.jsonl}\nvariants:\n"), "validate.prompts: file"),
+    "missing text file": (("variants:\n", "validate: {text: nope.txt}\nvariants:\n"), "validate.text: file"),
+    "bf16 on onnxruntime": (("target: onnxruntime}", "target: onnxruntime, precision: bf16}"),
+                            "variants.0: bf16 cannot be built for onnxruntime; allowed: fp16, fp32, fp32 + int4"),
+    "fp16 with int8": (("target: onnxruntime}", "target: onnxruntime, precision: fp16, quantize: {mode: int8-dynamic}}"),
+                       "variants.0: fp16 + int8-dynamic cannot be built for onnxruntime"),
+    "missing calibration file": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-static, calibration: nope.jsonl}}"),
+        "variants.0.quantize.calibration: file",
+    ),
+    "unknown block size": (("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int4, block_size: 48}}"),
+                           "variants.0.quantize.block_size: input should be 16, 32, 64, 128 or 256"),
+    "unknown gate": (("variants:\n", "validate: {gates: {top5: 0.9}}\nvariants:\n"),
+                     "validate.gates.top5: unknown key; allowed keys here: top1_agreement, greedy_match"),
 }
+
+
+@pytest.mark.parametrize("lines, expected", [
+    (0, "has 0 prompts; at least 8 are needed"),
+    (3, "has 3 prompts; at least 8 are needed"),
+    (-1, 'line 1 must be an object with a non-empty "prompt" string'),
+])
+def test_calibration_set_is_checked_before_any_work(lines, expected, tmp_path):
+    text = "" if lines == 0 else '{"text": "no prompt key"}\n' if lines < 0 else '{"prompt": "a b c"}\n' * lines
+    (tmp_path / "calib.jsonl").write_text(text)
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(GOOD.replace("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-static, "
+                                   "calibration: calib.jsonl}}", 1))
+    with pytest.raises(RecipeError, match=re.escape(expected)):
+        load_recipe(recipe)
 
 
 @pytest.mark.parametrize("case", sorted(BAD))

@@ -196,3 +196,13 @@ def test_chat_prompt_without_template_fails_alone(tiny_artifacts, tmp_path):
     results = generator.generate(["plain", [{"role": "user", "content": "hi"}]], SamplingParams(max_new_tokens=3))
     assert results[0].error is None and results[0].generated_tokens >= 1
     assert results[1].error == "the model has no chat template, so chat prompts cannot be used"
+
+
+def test_fused_graph_decodes_exactly_like_the_unfused_one(tiny_artifacts, family):
+    # GroupQueryAttention over shared buffers, with rows leaving the batch at different steps.
+    prompts = ["The quick brown", "def add(a, b):", "Hello", "A much longer prompt than the others, with padding"]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (3, 12, 7, 9)]
+    fused = Generator.load(tiny_artifacts[family], "cpu-fp32").generate(prompts, params)
+    unfused = Generator.load(tiny_artifacts[family], "cpu-fp32-unfused").generate(prompts, params)
+    assert [r.token_ids for r in fused] == [r.token_ids for r in unfused]
+    assert [len(r.token_ids) for r in fused] == [3, 12, 7, 9]

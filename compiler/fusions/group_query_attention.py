@@ -1,0 +1,163 @@
+"""Fusion rule: each layer's attention core -> com.microsoft GroupQueryAttention over shared KV buffers.
+
+Why by hand: onnxscript's GQA rule (ort_fusions/gqa.py) only matches SDPA + repeat_kv with an older
+transformers mask pattern, and the graph it makes keeps the Concat cache, so every decode step
+still copies the whole cache. Kiln's export is known exactly (compiler/attention.py, or
+transformers' eager attention for GPT-2), so the rule anchors on the graph outputs instead of
+matching a pattern: present.{i}.key/value are Concat(past, new) and feed the attention core.
+
+Before, per layer:
+    past_key ──┐
+    k_new ───Concat──> present.key ──Transpose──┐
+    q ──(Reshape)──────────────────────────MatMul── scale, mask, Softmax ──MatMul──...──> attn [b, s, h*d]
+    past_value ┐                                                           │
+    v_new ───Concat──> present.value ─────────────────────────────────────┘
+After:
+    q, k_new, v_new ──Transpose(0,2,1,3)──Reshape[b, s, -1]──┐
+    past_key, past_value ───────────────────────────────────GroupQueryAttention──> attn [b, s, h*d]
+    seqlens_k, total_length, bias (once, from the mask) ─────┘        └──> present.key, present.value
+
+With the same buffer bound as past and present (IO binding), ONNX Runtime writes only this step's
+keys and values into it: the cache is never copied. Left padding stays the runtime's convention:
+every row has the same number of slots (seqlens_k = slots - 1 for all rows) and the additive bias
+masks the pad slots. Rotary stays outside the op, on the model's own position ids, because GQA's
+built-in rotary would count pad slots as positions.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+NAME = "group_query_attention"
+# Added to the scores of pad slots. Finite, so a query row with only pads (a left pad in the
+# prompt, whose output is never used) softmaxes to a uniform row instead of NaN; small enough
+# that fp16 graphs hold it.
+MASKED_SCORE = -10000.0
+
+
+def apply(model: Any, shapes: Any) -> int:
+    """Rewrite `model` (an onnx_ir Model) in place; returns the number of layers fused."""
+    from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
+
+    graph = model.graph
+    outputs = {v.name: i for i, v in enumerate(graph.outputs)}
+    found = [_layer_anchors(graph, outputs, i) for i in range(shapes.layers)]
+    if not all(found):
+        return 0  # not the graph this rule knows; the fusion report shows 0 and the graph is unchanged
+    shared = _mask_inputs(graph)
+    for layer, anchors in enumerate(found):
+        _fuse_layer(graph, outputs, layer, anchors, shared, shapes)
+    model.opset_imports.setdefault("com.microsoft", 1)
+    RemoveUnusedNodesPass()(model)
+    TopologicalSortPass()(model)
+    return len(found)
+
+
+def _layer_anchors(graph: Any, outputs: dict[str, int], layer: int) -> dict[str, Any] | None:
+    present_key = graph.outputs[outputs[f"present.{layer}.key"]]
+    present_value = graph.outputs[outputs[f"present.{layer}.value"]]
+    key_concat, value_concat = present_key.producer(), present_value.producer()
+    if key_concat is None or value_concat is None or {key_concat.op_type, value_concat.op_type} != {"Concat"}:
+        return None
+    scores = _only_consumer(_only_consumer(key_concat, "Transpose"), "MatMul")
+    weighted = _only_consumer(value_concat, "MatMul")
+    if scores is None or weighted is None:
+        return None
+    query = scores.inputs[0]
+    if query.producer() is not None and query.producer().op_type == "Reshape":  # Kiln's grouped attention
+        query = query.producer().inputs[0]
+    attention_out = _merged_heads(weighted)
+    if attention_out is None:
+        return None
+    return {"query": query, "key": key_concat.inputs[1], "value": value_concat.inputs[1],
+            "past_key": key_concat.inputs[0], "past_value": value_concat.inputs[0], "out": attention_out}
+
+
+def _only_consumer(node: Any, op_type: str) -> Any:
+    if node is None:
+        return None
+    consumers = list(node.outputs[0].consumers())
+    return consumers[0] if len(consumers) == 1 and consumers[0].op_type == op_type else None
+
+
+def _merged_heads(node: Any) -> Any:
+    """Follow weights @ value through Reshape/Transpose to the [b, s, heads * d] tensor (GPT-2 merges
+    batch and sequence too, [b * s, heads * d], for its Gemm)."""
+    value = node.outputs[0]
+    for _ in range(4):
+        consumers = list(value.consumers())
+        if len(consumers) != 1 or consumers[0].op_type not in ("Reshape", "Transpose"):
+            return None
+        value = consumers[0].outputs[0]
+        if consumers[0].op_type == "Reshape" and value.shape is not None and len(value.shape) in (2, 3):
+            return value
+    return None
+
+
+def _mask_inputs(graph: Any) -> dict[str, Any]:
+    """Once for all layers:
+
+        attention_mask [b, t] ──Shape[1]──> t ──Cast int32──> total_length (scalar)
+                                               └──-1, Expand [b]──> seqlens_k (every row has t slots)
+        attention_mask ──Equal 0──Where(MASKED_SCORE, 0)──Reshape[b,1,1,t]──Expand[b,1,s,t]──> bias
+    """
+    import onnx_ir as ir
+
+    tape = ir.tape.Tape()
+    inputs = {v.name: v for v in graph.inputs}
+    mask, ids = inputs["attention_mask"], inputs["input_ids"]
+
+    def const(name: str, array: np.ndarray) -> Any:
+        return tape.op("Constant", [], {"value": ir.tensor(array, name=name)})
+
+    slots = tape.op("Shape", [mask], {"start": 1, "end": 2})
+    batch = tape.op("Shape", [ids], {"start": 0, "end": 1})
+    seq = tape.op("Shape", [ids], {"start": 1, "end": 2})
+    slots32 = tape.op("Cast", [slots], {"to": ir.DataType.INT32})
+    total_length = tape.op("Squeeze", [slots32])
+    last_slot = tape.op("Sub", [slots32, const("one", np.array([1], np.int32))])
+    seqlens_k = tape.op("Expand", [last_slot, batch])
+    is_pad = tape.op("Equal", [mask, const("zero", np.array(0, np.int64))])
+    row_bias = tape.op("Where", [is_pad, const("masked", np.array(MASKED_SCORE, np.float32)),
+                                 const("unmasked", np.array(0.0, np.float32))])
+    one = const("one64", np.array([1], np.int64))
+    bias_4d = tape.op("Reshape", [row_bias, tape.op("Concat", [batch, one, one, slots], {"axis": 0})])
+    bias = tape.op("Expand", [bias_4d, tape.op("Concat", [batch, one, seq, slots], {"axis": 0})])
+    first = graph.node(0)
+    graph.insert_before(first, tape.nodes)
+    return {"seqlens_k": seqlens_k, "total_length": total_length, "bias": bias}
+
+
+def _fuse_layer(graph: Any, outputs: dict[str, int], layer: int, anchors: dict[str, Any], shared: dict[str, Any],
+                shapes: Any) -> None:
+    import onnx_ir as ir
+
+    tape = ir.tape.Tape()
+    merge = tape.op("Constant", [], {"value": ir.tensor(np.array([0, 0, -1], np.int64), name=f"merge_{layer}")})
+
+    def heads_last(value: Any) -> Any:  # [b, n, s, d] -> [b, s, n * d]
+        return tape.op("Reshape", [tape.op("Transpose", [value], {"perm": [0, 2, 1, 3]}), merge])
+
+    attention, present_key, present_value = tape.op_multi_out(
+        "GroupQueryAttention",
+        [heads_last(anchors["query"]), heads_last(anchors["key"]), heads_last(anchors["value"]),
+         anchors["past_key"], anchors["past_value"], shared["seqlens_k"], shared["total_length"],
+         None, None, None, shared["bias"]],
+        {"num_heads": shapes.heads, "kv_num_heads": shapes.kv_heads, "scale": float(shapes.head_dim) ** -0.5,
+         "local_window_size": shapes.sliding_window or -1},
+        num_outputs=3, domain="com.microsoft", name=f"layers.{layer}.GroupQueryAttention",
+    )
+    if len(anchors["out"].shape) == 2:
+        flat = tape.op("Constant", [], {"value": ir.tensor(np.array([-1, shapes.heads * shapes.head_dim], np.int64),
+                                                           name=f"flat_{layer}")})
+        attention = tape.op("Reshape", [attention, flat])
+    graph.insert_after(anchors["out"].producer(), tape.nodes)
+    ir.convenience.replace_all_uses_with(anchors["out"], attention)
+    for kind, fused in (("key", present_key), ("value", present_value)):
+        name = f"present.{layer}.{kind}"
+        old = graph.outputs[outputs[name]]
+        old.name = f"{name}.unfused"
+        fused.name, fused.shape, fused.dtype = name, old.shape, old.dtype
+        graph.outputs[outputs[name]] = fused

@@ -1,0 +1,135 @@
+"""The optimize stage: the validated export -> the graph a variant's target runs best, with a report.
+
+    export (fp32, standard ops) ─constant folding─┬─ onnxruntime: fusion rules (compiler/fusions) ─┐
+                                                  └─ tensorrt: standard ops only, checked ─────────┴─> check vs unfused
+
+Every target gets onnxscript's optimizer (constant folding, shape simplification, dead code). The
+onnxruntime target then gets ONNX Runtime contrib ops; when GroupQueryAttention replaces attention,
+the interface says so (`kv_sharing: shared-buffer`) and the runtime binds one buffer as past and
+present. The fused graph is run against the unfused one under ONNX Runtime on a left-padded batch,
+through prefill and decode steps, with the runtime's own backend; a difference beyond the fp32
+tolerance of the export stage fails the compile.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ExportMismatch
+from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file
+from .fusions import ONNXRUNTIME_RULES, group_query_attention
+from .tensorrt_check import check_tensorrt_graph
+from .validate_export import RELATIVE_TOLERANCE
+
+
+def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> tuple[OnnxArtifact, dict[str, Any]]:
+    import onnx_ir as ir
+    from onnxscript import optimizer
+
+    model = ir.load(str(exported.model_path))
+    before = _op_counts(model)
+    optimizer.optimize(model)
+    rules = {}
+    if target == "onnxruntime" and fuse:
+        rules = {rule.name: rule.apply(model, exported.shapes) for rule in ONNXRUNTIME_RULES}
+    _drop_unused_initializers(model)
+    interface = _interface_after(exported.interface, rules)
+    optimized = _save(model, exported, interface, folder)
+    report: dict[str, Any] = {
+        "target": target,
+        "rules": rules,
+        "nodes_before": sum(before.values()),
+        "nodes_after": optimized.node_count,
+        "ops_after": dict(sorted(_op_counts(model).items())),
+    }
+    if target == "tensorrt":
+        report["tensorrt_check"] = check_tensorrt_graph(model)
+    report["check"] = compare_graphs(exported, optimized)
+    return optimized, report
+
+
+def _interface_after(interface: dict[str, Any], rules: dict[str, int]) -> dict[str, Any]:
+    if not rules.get(group_query_attention.NAME):
+        return interface
+    capacity = ["batch", interface["kv_heads"], "capacity", interface["head_dim"]]
+    shaped = lambda entries: [{**e, "shape": capacity} if "{layer}" in e["name"] else e for e in entries]  # noqa: E731
+    return {**interface, "inputs": shaped(interface["inputs"]), "outputs": shaped(interface["outputs"]),
+            "kv_sharing": "shared-buffer"}
+
+
+def _drop_unused_initializers(model: Any) -> None:
+    graph = model.graph
+    for name, value in list(graph.initializers.items()):
+        if not value.uses() and value not in graph.outputs:
+            del graph.initializers[name]
+
+
+def _op_counts(model: Any) -> Counter:
+    return Counter(f"{node.domain}::{node.op_type}" if node.domain else node.op_type for node in model.graph)
+
+
+def _save(model: Any, exported: OnnxArtifact, interface: dict[str, Any], folder: Path) -> OnnxArtifact:
+    import onnx_ir as ir
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / MODEL_FILE
+    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
+    external = weight_bytes >= EXTERNAL_DATA_THRESHOLD or len(exported.files) > 1  # keep the export's choice
+    if not external:
+        ir.external_data.load_to_model(model)  # else the saved graph would point at the export's data file
+    ir.save(model, str(path), external_data=MODEL_FILE + ".data" if external else None)
+    node_count = finish_model_file(path)
+    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if external else [])
+    return OnnxArtifact(folder, interface, exported.shapes, node_count, files)
+
+
+# -- the numerical check: the runtime's backend on both graphs ------------------------------------
+
+CHECK_PADS = (0, 3, 6)  # left padding per row
+CHECK_PROMPT, CHECK_STEPS = 9, 4
+
+
+def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int = 0) -> dict[str, Any]:
+    """Greedy decode of the reference graph, replayed on the candidate; raise if logits part ways."""
+    errors, agree = [], []
+    for ref, out, real in _lockstep(reference, candidate, seed):
+        errors.append((float(np.abs(out - ref)[real].max()), float(np.abs(ref[real]).max())))
+        agree.append((out.argmax(-1) == ref.argmax(-1))[real])
+    worst_abs = max(e for e, _ in errors)
+    relative = max(e / max(scale, 1e-12) for e, scale in errors)
+    result = {"max_abs_logit_error": worst_abs, "max_rel_logit_error": relative,
+              "top1_agreement": float(np.concatenate(agree).mean()), "tolerance_relative": RELATIVE_TOLERANCE,
+              "steps": len(errors)}
+    if not relative <= RELATIVE_TOLERANCE:
+        raise ExportMismatch(
+            f"the optimized graph disagrees with the unfused one beyond the fp32 tolerance {RELATIVE_TOLERANCE:g}: "
+            f"max |logit error| {worst_abs:.3g} (relative {relative:.3g}); rebuild with fuse: false and report it"
+        )
+    return result
+
+
+def _lockstep(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int) -> Iterator[tuple]:
+    from runtime.backend import OnnxRuntimeBackend
+
+    backends = [OnnxRuntimeBackend(a.model_path, a.interface) for a in (reference, candidate)]
+    rng = np.random.default_rng(seed)
+    batch = len(CHECK_PADS)
+    ids = rng.integers(0, reference.shapes.vocab_size, (batch, CHECK_PROMPT))
+    mask = np.ones((batch, CHECK_PROMPT), np.int64)
+    for row, pad in enumerate(CHECK_PADS):
+        mask[row, :pad] = 0
+    positions = np.clip(mask.cumsum(-1) - 1, 0, None)
+    caches = [b.new_cache(batch, CHECK_PROMPT + CHECK_STEPS) for b in backends]
+    for _ in range(CHECK_STEPS + 1):
+        outputs = [b.run(ids, mask, positions, c) for b, c in zip(backends, caches, strict=True)]
+        (ref, caches[0]), (out, caches[1]) = outputs
+        real = mask[:, -ref.shape[1]:].astype(bool)
+        yield ref, out, real
+        ids = ref[:, -1].argmax(-1)[:, None].astype(np.int64)
+        mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+        positions = mask.sum(-1, keepdims=True) - 1

@@ -1,0 +1,264 @@
+"""The quantize stage: an optimized fp32 graph -> the precision a variant asks for, with a report.
+
+One table, QUANTIZERS, maps a variant's (precision, quantize mode) to the function that makes it;
+a new mode is one function and one row. Every mode keeps fp32 logits, and every mode's accuracy is
+then measured against the fp32 graph by the gates (compiler/accuracy.py), so nothing here has to
+guess what is good enough.
+
+- int8-dynamic, int4: weight-only blocks, ONNX Runtime's MatMulNBits (asymmetric, one scale and zero
+  point per `block_size` weights along K) with accuracy_level 4, which quantizes each activation
+  block to int8 at run time. Small blocks, because on SmolLM2 8-bit blocks of 128 measured 90%
+  teacher-forced top-1 agreement with fp32 against 97% for blocks of 32. accuracy_level 0 (fp32
+  activations) has no fast 8-bit kernel on x86: 194 ms a decode step against 13 ms.
+- int8-static: explicit QuantizeLinear/DequantizeLinear pairs (QDQ), symmetric int8 activations and
+  per-channel symmetric weights, the form TensorRT's parser and ONNX Runtime both take; activation
+  ranges come from running calibration prompts (minmax, entropy or percentile).
+- fp16: weights and compute in fp16, with the numerically sensitive ops kept in fp32 (BLOCKED_FP16).
+
+`exclude` in the recipe keeps matching layers in fp32: globs over module paths such as
+`lm_head` or `model.layers.*.mlp.down_proj`, read from the exporter's name scopes.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import ExportError
+from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file
+from .recipe import Variant
+
+# Kept in fp32 by the fp16 conversion: reductions and exponentials whose range or rounding fp16
+# cannot hold (RMSNorm's mean of squares overflows fp16 at |x| > 256; softmax needs fp32 sums), and
+# the rotary angles, which lose position resolution in fp16 beyond a few hundred tokens.
+BLOCKED_FP16 = (
+    "ReduceMean", "Pow", "Sqrt", "Reciprocal", "Softmax", "Cos", "Sin", "Range", "CumSum",
+    "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+    "GroupQueryAttention",
+)
+MIN_CALIBRATION_PROMPTS = 8
+
+
+class QuantizeError(ExportError):
+    pass
+
+
+def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[int]], folder: Path
+             ) -> tuple[OnnxArtifact, dict[str, Any]]:
+    """Return the quantized graph in `folder`, and a report of what was quantized and what was kept."""
+    import onnx
+
+    mode = variant.quantize.mode if variant.quantize else None
+    make = QUANTIZERS[(variant.precision, mode)]
+    proto = onnx.load(str(source.model_path))
+    _untie_transposed_weights(proto)
+    layers = weight_matmuls(proto)
+    excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
+    interface = make(proto, source, variant, calibration, excluded, folder)
+    artifact = _finish(folder, source, interface)
+    report = {"mode": mode or variant.precision, "weight_matmuls": len(layers),
+              "kept_fp32": [layers[n] for n in excluded],
+              "settings": variant.quantize.model_dump() if variant.quantize else {}}
+    return artifact, report
+
+
+def _matches(path: str, spec: Any) -> bool:
+    return spec is not None and any(fnmatch.fnmatchcase(path, pattern) for pattern in spec.exclude)
+
+
+# -- the modes -------------------------------------------------------------------------------------
+
+def _weight_blocks(bits: int) -> Callable[..., dict]:
+    def make(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
+             folder: Path) -> dict:
+        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+        spec = variant.quantize
+        quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=spec.block_size, is_symmetric=False,
+                                         accuracy_level=4, nodes_to_exclude=excluded)
+        quantizer.process()
+        _save(quantizer.model.model, folder)
+        return source.interface
+
+    return make
+
+
+def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Sequence[list[int]],
+                excluded: list[str], folder: Path) -> dict:
+    from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
+
+    spec = variant.quantize
+    work = folder / ".calibration"
+    work.mkdir(parents=True, exist_ok=True)
+    prepared = work / "prepared.onnx"
+    _save(proto, work, name=prepared.name)
+    targets = [n for n in weight_matmuls(proto) if n not in excluded]
+    method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
+              "percentile": CalibrationMethod.Percentile}[spec.method]
+    try:
+        quantize_static(
+            str(prepared), str(folder / MODEL_FILE), _CalibrationFeed(source, calibration),
+            quant_format=QuantFormat.QDQ, nodes_to_quantize=targets, per_channel=True,
+            activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, calibrate_method=method,
+            use_external_data_format=_needs_external(proto),
+            # Symmetric activations with zero points of 0: TensorRT's Q/DQ support requires it.
+            extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
+        )
+    except ValueError as exc:  # ONNX Runtime's histogram calibrators fail on near-constant tensors
+        raise QuantizeError(f"{variant.name}: calibration method {spec.method} failed in ONNX Runtime's "
+                            f"calibrator ({exc}); use method: minmax") from None
+    import shutil
+
+    shutil.rmtree(work)
+    return source.interface
+
+
+def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
+          folder: Path) -> dict:
+    import onnx_ir as ir
+    from onnx_ir.passes.common import TopologicalSortPass
+    from onnxruntime.transformers.float16 import convert_float_to_float16
+
+    converted = convert_float_to_float16(proto, keep_io_types=["logits"], op_block_list=list(BLOCKED_FP16),
+                                         node_block_list=excluded, disable_shape_infer=True)
+    model = ir.from_proto(converted)
+    TopologicalSortPass()(model)  # the converter appends its Casts after their consumers
+    _save(ir.to_proto(model), folder)
+    half = lambda entries: [{**e, "dtype": "float16"} if "{layer}" in e["name"] else e  # noqa: E731
+                            for e in entries]
+    return {**source.interface, "inputs": half(source.interface["inputs"]),
+            "outputs": half(source.interface["outputs"])}
+
+
+QUANTIZERS: dict[tuple[str, str | None], Callable[..., dict]] = {
+    ("fp32", "int8-dynamic"): _weight_blocks(bits=8),
+    ("fp32", "int4"): _weight_blocks(bits=4),
+    ("fp32", "int8-static"): _qdq_static,
+    ("fp16", None): _fp16,
+}
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+
+def weight_matmuls(proto: Any) -> dict[str, str]:
+    """{node name: module path} for every MatMul whose weight is an initializer. The path comes from
+    the exporter's name scopes (`model.model.layers.0.mlp.down_proj` -> `model.layers.0.mlp.down_proj`)."""
+    weights = {i.name for i in proto.graph.initializer}
+    found = {}
+    for node in proto.graph.node:
+        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in weights:
+            scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+            path = _module_path(scopes) if scopes else node.name
+            found[node.name] = path
+    return found
+
+
+def _module_path(scopes: str) -> str:
+    parts = [p.strip(" '\"") for p in scopes.strip("[]").split(",")]
+    modules = [p for p in parts if p][:-1]  # the last entry is the op itself
+    path = modules[-1] if modules else ""
+    return path.removeprefix("model.")
+
+
+def _untie_transposed_weights(proto: Any) -> None:
+    """MatMul(x, Transpose(W)) with W an initializer -> MatMul(x, W^T) with W^T stored.
+
+    A tied LM head reads the embedding table through a Transpose; MatMulNBits and QDQ weight
+    quantization need the weight as an initializer. The embedding itself stays fp32 for the Gather.
+    """
+    from onnx import numpy_helper
+
+    inits = {i.name: i for i in proto.graph.initializer}
+    consumers: dict[str, list] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            consumers.setdefault(name, []).append(node)
+    for node in list(proto.graph.node):
+        if node.op_type != "Transpose" or node.input[0] not in inits:
+            continue
+        if not all(c.op_type == "MatMul" and c.input[1] == node.output[0] for c in consumers.get(node.output[0], [])):
+            continue
+        weight = numpy_helper.to_array(inits[node.input[0]])
+        perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
+        proto.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)),
+                                                               node.output[0]))
+        proto.graph.node.remove(node)
+
+
+def _needs_external(proto: Any) -> bool:
+    return proto.ByteSize() >= EXTERNAL_DATA_THRESHOLD
+
+
+def _save(proto: Any, folder: Path, name: str = MODEL_FILE) -> None:
+    import onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    data = path.with_name(name + ".data")
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    if _needs_external(proto):
+        onnx.save(proto, str(path), save_as_external_data=True, location=data.name)
+    else:
+        onnx.save(proto, str(path))
+
+
+def _finish(folder: Path, source: OnnxArtifact, interface: dict) -> OnnxArtifact:
+    node_count = finish_model_file(folder / MODEL_FILE)
+    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if (folder / (MODEL_FILE + ".data")).exists() else [])
+    return OnnxArtifact(folder, interface, source.shapes, node_count, files)
+
+
+CALIBRATION_CHUNK = 32
+
+
+class _CalibrationFeed:
+    """ONNX Runtime's CalibrationDataReader: prefills of batch 1 on an empty cache.
+
+    The prompts are joined and cut into chunks of one length, because the histogram calibrators
+    (entropy, percentile) stack every run's activations into one array and need equal shapes.
+    """
+
+    def __init__(self, source: OnnxArtifact, prompts: Sequence[list[int]]) -> None:
+        from runtime.backend import expand
+
+        stream = [t for p in prompts for t in p]
+        prompts = [stream[i:i + CALIBRATION_CHUNK] for i in range(0, len(stream) - CALIBRATION_CHUNK + 1,
+                                                                   CALIBRATION_CHUNK)]
+
+        interface = source.interface
+        shared = interface.get("kv_sharing") == "shared-buffer"
+        names = expand(interface["inputs"][3:], interface["layers"])
+        kv = (interface["kv_heads"], interface["head_dim"])
+        self._feeds = iter([
+            {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
+             "position_ids": np.arange(len(ids), dtype=np.int64)[None],
+             **{n: np.zeros((1, kv[0], len(ids) if shared else 0, kv[1]), np.float32) for n in names}}
+            for ids in prompts
+        ])
+
+    def get_next(self) -> dict | None:
+        return next(self._feeds, None)
+
+    def rewind(self) -> None:  # pragma: no cover - the calibrators read once
+        raise QuantizeError("calibration data can be read only once")
+
+
+def check_finite(artifact: OnnxArtifact, prompts: Sequence[list[int]]) -> None:
+    """Overflow shows as inf or NaN in logits or KV: find it on the calibration prompts, not later."""
+    from runtime.backend import OnnxRuntimeBackend
+
+    backend = OnnxRuntimeBackend(artifact.model_path, artifact.interface)
+    for number, ids in enumerate(prompts):
+        row = np.array([ids], np.int64)
+        cache = backend.new_cache(1, len(ids))
+        logits, cache = backend.run(row, np.ones_like(row), np.arange(len(ids))[None], cache)
+        bad = [name for name, t in [("logits", logits), *(("KV cache", c) for c in cache)] if not np.isfinite(t).all()]
+        if bad:
+            raise QuantizeError(
+                f"{artifact.folder.name}: {bad[0]} overflow (inf or NaN) on calibration prompt {number + 1} in "
+                f"{artifact.interface['inputs'][3]['dtype']}; keep more ops in fp32 (quantize.exclude) or use fp32"
+            )

@@ -1,0 +1,85 @@
+"""The optimize stage: fusion counts pinned per family, fused graphs checked against unfused ones
+under ONNX Runtime, the shared-buffer KV interface, and the TensorRT graph check."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from compiler.export import OnnxArtifact
+from compiler.fusions import group_query_attention
+from compiler.optimize import compare_graphs, optimize
+from compiler.tensorrt_check import TensorRTIncompatible, check_tensorrt_graph
+from runtime.artifact import Artifact
+from runtime.backend import OnnxRuntimeBackend
+
+# {family: {rule: count}} on the tiny models of tests/conftest.py (2 layers each)
+EXPECTED_FUSIONS = {
+    "llama": {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
+    "mistral": {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
+    "qwen2": {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
+    "gpt2": {"group_query_attention": 2, "rms_normalization": 0, "skip_rms_normalization": 0},
+}
+
+
+def _exported(tiny_artifacts, tiny_checkpoints, family) -> OnnxArtifact:
+    """The unfused fp32 graph of a tiny artifact, as the export stage hands it to optimize."""
+    from transformers import AutoConfig
+
+    from compiler.families import shapes_of
+
+    entry = Artifact.open(tiny_artifacts[family]).variant("cpu-fp32-unfused")
+    model = tiny_artifacts[family] / entry["model"]
+    shapes = shapes_of(AutoConfig.from_pretrained(tiny_checkpoints[family]))
+    return OnnxArtifact(model.parent, entry["interface"], shapes, 0, [model.name])
+
+
+def test_fusion_counts_and_interface(tiny_artifacts, family):
+    manifest = json.loads((tiny_artifacts[family] / "manifest.json").read_text())
+    fused = manifest["variants"]["cpu-fp32"]
+    assert fused["fusions"] == EXPECTED_FUSIONS[family]
+    assert fused["interface"]["kv_sharing"] == "shared-buffer"
+    assert fused["node_count"] < manifest["variants"]["cpu-fp32-unfused"]["node_count"]
+    graph = onnx.load(str(tiny_artifacts[family] / fused["model"]))
+    ops = [n.op_type for n in graph.graph.node]
+    assert ops.count("GroupQueryAttention") == fused["interface"]["layers"]
+    # the Concat cache is gone: no node copies past into present any more
+    assert not any(n.op_type == "Concat" and any(o.startswith("present.") for o in n.output) for n in graph.graph.node)
+    report = json.loads((tiny_artifacts[family] / fused["report"]).read_text())
+    assert report["optimize"]["check"]["max_rel_logit_error"] < 1e-4
+
+
+def test_shared_buffer_is_written_in_place(tiny_artifacts):
+    entry = Artifact.open(tiny_artifacts["llama"]).variant("cpu-fp32")
+    backend = OnnxRuntimeBackend(tiny_artifacts["llama"] / entry["model"], entry["interface"])
+    cache = backend.new_cache(2, 16)
+    ids = np.array([[5, 6, 7], [0, 8, 9]])
+    mask = np.array([[1, 1, 1], [0, 1, 1]])
+    _, returned = backend.run(ids, mask, np.clip(mask.cumsum(-1) - 1, 0, None), cache)
+    assert returned is cache  # same arrays, filled by ONNX Runtime
+    assert np.abs(cache[0][:, :, :3]).sum() > 0 and not cache[0][:, :, 3:].any()
+
+
+def test_a_broken_fusion_fails_the_check(tiny_artifacts, tiny_checkpoints, tmp_path, monkeypatch):
+    from compiler.errors import ExportMismatch
+
+    exported = _exported(tiny_artifacts, tiny_checkpoints, "llama")
+    monkeypatch.setattr(group_query_attention, "MASKED_SCORE", 0.0)  # pads no longer masked
+    with pytest.raises(ExportMismatch, match="optimized graph disagrees with the unfused one"):
+        optimize(exported, "onnxruntime", True, tmp_path / "broken")
+
+
+def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, tmp_path):
+    import onnx_ir as ir
+
+    exported = _exported(tiny_artifacts, tiny_checkpoints, "qwen2")
+    graph, report = optimize(exported, "tensorrt", True, tmp_path / "trt")
+    assert report["rules"] == {} and report["tensorrt_check"]["unsupported"] == {}
+    assert all(not n.domain for n in onnx.load(str(graph.model_path)).graph.node)
+    fused = Artifact.open(tiny_artifacts["qwen2"]).variant("cpu-fp32")
+    with pytest.raises(TensorRTIncompatible, match="com.microsoft::GroupQueryAttention .domain com.microsoft"):
+        check_tensorrt_graph(ir.load(str(tiny_artifacts["qwen2"] / fused["model"])))
+    assert compare_graphs(exported, graph)["max_abs_logit_error"] == 0.0

@@ -1,0 +1,112 @@
+"""Precision modes and accuracy gates, compiled for real on the tiny Llama."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+
+from compiler.accuracy import failed_gates, greedy_match, perplexity
+from compiler.errors import GateFailure
+from compiler.pipeline import compile_recipe
+from runtime.generator import Generator
+from runtime.sampling import SamplingParams
+from tests.conftest import write_recipe
+
+VARIANTS = """\
+  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head]}}
+  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 16}}
+  - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax}}
+  - {name: cpu-fp16, target: onnxruntime, precision: fp16}
+  - {name: trt-int8, target: tensorrt, quantize: {mode: int8-static}}
+  - {name: trt-fp16, target: tensorrt, precision: fp16}
+"""
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("quantized")
+    recipe = write_recipe(root / "r.yaml", tiny_checkpoints["llama"], variants=VARIANTS,
+                          extra="validate: {max_new_tokens: 8}\n")
+    return compile_recipe(recipe, root / "artifact")
+
+
+def _graph(artifact, variant):
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    return manifest["variants"][variant], onnx.load(str(artifact / manifest["variants"][variant]["model"]))
+
+
+def test_each_mode_makes_the_graph_it_promises(quantized):
+    entry, graph = _graph(quantized, "cpu-int8")
+    ops = [n.op_type for n in graph.graph.node]
+    nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {8}
+    assert ops.count("MatMul") >= 1  # lm_head kept in fp32 by exclude
+    report = json.loads((quantized / entry["report"]).read_text())
+    assert report["quantize"]["kept_fp32"] == ["lm_head"]
+
+    _, graph = _graph(quantized, "cpu-int4")
+    assert {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {4}
+
+    for variant in ("cpu-int8-static", "trt-int8"):
+        entry, graph = _graph(quantized, variant)
+        q = [n for n in graph.graph.node if n.op_type == "QuantizeLinear"]
+        assert q and any(n.op_type == "DequantizeLinear" for n in graph.graph.node)
+        zero_points = {i.name: onnx.numpy_helper.to_array(i) for i in graph.graph.initializer}
+        assert all(not zero_points[n.input[2]].any() for n in q if len(n.input) > 2)  # symmetric, for TensorRT
+
+    entry, graph = _graph(quantized, "cpu-fp16")
+    assert entry["interface"]["inputs"][3]["dtype"] == "float16"
+    assert entry["interface"]["outputs"][0]["dtype"] == "float32"  # logits keep their type
+    types = {i.data_type for i in graph.graph.initializer if len(i.dims) == 2}
+    assert onnx.TensorProto.FLOAT16 in types
+
+
+def test_tensorrt_variants_keep_standard_graphs_and_are_skipped(quantized):
+    for variant in ("trt-int8", "trt-fp16"):
+        entry, graph = _graph(quantized, variant)
+        assert entry["status"] == "skipped" and "TensorRT engine builds are not implemented" in entry["reason"]
+        assert all(not n.domain for n in graph.graph.node)
+
+
+def test_every_variant_is_measured_and_generates(quantized):
+    manifest = json.loads((quantized / "manifest.json").read_text())
+    for name, entry in manifest["variants"].items():
+        accuracy = entry["accuracy"]
+        assert accuracy["perplexity"] > 1 and np.isfinite(accuracy["max_logit_error"]), name
+        assert 0.5 < accuracy["top1_agreement"] <= 1.0, name
+    fp16 = manifest["variants"]["cpu-fp16"]["accuracy"]
+    assert fp16["top1_agreement"] > 0.97 and abs(fp16["perplexity_change"]) < 0.01
+    for variant in ("cpu-int8", "cpu-int4", "cpu-int8-static", "cpu-fp16"):
+        result = Generator.load(quantized, variant).generate(["The quick brown"], SamplingParams(max_new_tokens=5))
+        assert result[0].generated_tokens >= 1 and result[0].error is None
+
+
+def test_missed_gate_fails_the_compile_with_its_numbers(tiny_checkpoints, tmp_path):
+    variants = "  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 256}}\n"
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], variants=variants,
+                          extra="validate: {max_new_tokens: 8, gates: {top1_agreement: 0.9999, greedy_match: 1.0}}\n")
+    with pytest.raises(GateFailure, match=r"cpu-int4: top1_agreement 0\.\d+ < 0\.9999"):
+        compile_recipe(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+    result = subprocess.run([sys.executable, "-m", "compiler.cli", str(recipe), "--out", str(tmp_path / "kept"),
+                             "--keep-failed"], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    entry = json.loads((tmp_path / "kept" / "manifest.json").read_text())["variants"]["cpu-int4"]
+    assert entry["status"] == "failed" and entry["failed_gates"][0].startswith("top1_agreement")
+    Generator.load(tmp_path / "kept", "cpu-int4")  # kept for inspection, loadable by name
+
+
+def test_metrics_on_known_arrays():
+    logits = [np.log(np.array([[0.5, 0.25, 0.25], [0.1, 0.8, 0.1]]))]
+    assert perplexity(logits, [[0, 1]]) == pytest.approx(np.exp(-(np.log(0.5) + np.log(0.8)) / 2))
+    assert greedy_match([[1, 2, 3], [4, 5, 6]], [[1, 2, 3], [4, 9, 6]]) == {"greedy_match": 0.5,
+                                                                           "first_divergence": [None, 1]}
+    metrics = {"top1_agreement": 0.97, "greedy_match": 1.0, "perplexity_change_abs": 0.03, "max_logit_error": 1.0}
+    assert failed_gates(metrics, {"top1_agreement": 0.98, "perplexity_change": 0.02, "greedy_match": 0.9}) == [
+        "top1_agreement 0.97 < 0.98", "perplexity_change 0.03 > 0.02"]
+    assert failed_gates({**metrics, "top1_agreement": float("nan")}, {"top1_agreement": 0.5})
