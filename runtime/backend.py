@@ -68,11 +68,12 @@ class OnnxRuntimeBackend:
     def new_cache(self, batch: int, capacity: int) -> list[np.ndarray]:
         """An empty cache for `batch` rows; a shared-buffer cache holds up to `capacity` slots."""
         length = capacity if self.shared else 0
-        return [np.zeros((batch, self.kv_heads, length, self.head_dim), self.kv_dtype) for _ in self.past_names]
+        arrays = [np.zeros((batch, self.kv_heads, length, self.head_dim), self.kv_dtype) for _ in self.past_names]
+        return _BoundCache(arrays) if self.shared else arrays
 
-    @staticmethod
-    def keep_rows(cache: list[np.ndarray], rows: list[int]) -> list[np.ndarray]:
-        return [np.ascontiguousarray(layer[rows]) for layer in cache]
+    def keep_rows(self, cache: list[np.ndarray], rows: list[int]) -> list[np.ndarray]:
+        kept = [np.ascontiguousarray(layer[rows]) for layer in cache]
+        return _BoundCache(kept) if self.shared else kept
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
@@ -89,15 +90,27 @@ class OnnxRuntimeBackend:
 
         if attention_mask.shape[1] > cache[0].shape[2]:
             raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache[0].shape[2]}")
-        binding = self.session.io_binding()
+        if not isinstance(cache, _BoundCache):
+            cache = _BoundCache(cache)
+        if cache.binding is None:  # once per cache: the buffers stay bound for every step
+            cache.binding = self.session.io_binding()
+            cache.binding.bind_output("logits")
+            # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present.
+            cache.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in cache]
+            for past_name, present_name, value in zip(self.past_names, self.output_names[1:], cache.values,
+                                                      strict=True):
+                cache.binding.bind_ortvalue_input(past_name, value)
+                cache.binding.bind_ortvalue_output(present_name, value)
         for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
                             ("position_ids", position_ids)):
-            binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
-        binding.bind_output("logits")
-        # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present.
-        for past_name, present_name, array in zip(self.past_names, self.output_names[1:], cache, strict=True):
-            value = ort.OrtValue.ortvalue_from_numpy(array)
-            binding.bind_ortvalue_input(past_name, value)
-            binding.bind_ortvalue_output(present_name, value)
-        self.session.run_with_iobinding(binding)
-        return binding.get_outputs()[0].numpy()
+            cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
+        self.session.run_with_iobinding(cache.binding)
+        # A copy: the bound logits buffer is reused by the next run.
+        return cache.binding.get_outputs()[0].numpy().copy()
+
+
+class _BoundCache(list):
+    """Shared KV buffers plus the IO binding that points ONNX Runtime at them, made on first use."""
+
+    binding: Any = None
+    values: list | None = None

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import group_query_attention, rms_normalization
+from . import group_query_attention, rms_normalization, rotary_embedding
 
 
 @dataclass(frozen=True)
@@ -25,4 +25,5 @@ ONNXRUNTIME_RULES = (
     Rule(group_query_attention.NAME, group_query_attention.apply),
     Rule(rms_normalization.NAME, rms_normalization.apply),
     Rule(rms_normalization.SKIP_NAME, rms_normalization.apply_skip),
+    Rule(rotary_embedding.NAME, rotary_embedding.apply),
 )

@@ -17,11 +17,10 @@ from runtime.artifact import Artifact
 from runtime.backend import OnnxRuntimeBackend
 
 # {family: {rule: count}} on the tiny models of tests/conftest.py (2 layers each)
+ROTARY = {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4, "rotary_embedding": 4}
 EXPECTED_FUSIONS = {
-    "llama": {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
-    "mistral": {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
-    "qwen2": {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
-    "gpt2": {"group_query_attention": 2, "rms_normalization": 0, "skip_rms_normalization": 0},
+    "llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY,
+    "gpt2": {"group_query_attention": 2, "rms_normalization": 0, "skip_rms_normalization": 0, "rotary_embedding": 0},
 }
 
 
@@ -46,6 +45,7 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
     graph = onnx.load(str(tiny_artifacts[family] / fused["model"]))
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("GroupQueryAttention") == fused["interface"]["layers"]
+    assert ops.count("RotaryEmbedding") == EXPECTED_FUSIONS[family]["rotary_embedding"]
     # the Concat cache is gone: no node copies past into present any more
     assert not any(n.op_type == "Concat" and any(o.startswith("present.") for o in n.output) for n in graph.graph.node)
     report = json.loads((tiny_artifacts[family] / fused["report"]).read_text())
@@ -58,9 +58,14 @@ def test_shared_buffer_is_written_in_place(tiny_artifacts):
     cache = backend.new_cache(2, 16)
     ids = np.array([[5, 6, 7], [0, 8, 9]])
     mask = np.array([[1, 1, 1], [0, 1, 1]])
-    _, returned = backend.run(ids, mask, np.clip(mask.cumsum(-1) - 1, 0, None), cache)
+    first, returned = backend.run(ids, mask, np.clip(mask.cumsum(-1) - 1, 0, None), cache)
     assert returned is cache  # same arrays, filled by ONNX Runtime
     assert np.abs(cache[0][:, :, :3]).sum() > 0 and not cache[0][:, :, 3:].any()
+    kept = first.copy()
+    mask = np.concatenate([mask, np.ones((2, 1), np.int64)], axis=1)
+    backend.run(np.array([[3], [4]]), mask, mask.sum(-1, keepdims=True) - 1, cache)
+    assert np.array_equal(first, kept)  # the next step must not write into logits already returned
+    assert np.abs(cache[0][:, :, 3]).sum() > 0 and not cache[0][:, :, 4:].any()
 
 
 def test_a_broken_fusion_fails_the_check(tiny_artifacts, tiny_checkpoints, tmp_path, monkeypatch):
