@@ -62,13 +62,20 @@ class Inputs:
     pad_id: int
 
 
-def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int) -> list[np.ndarray]:
-    """Logits at every position of every row, [len(row), vocab], one decode step per column."""
+def left_padded(rows: Sequence[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids and attention mask with every row's last token in the last column, as the runtime pads."""
     width = max(len(r) for r in rows)
     ids = np.full((len(rows), width), pad_id, np.int64)
     mask = np.zeros((len(rows), width), np.int64)
     for i, row in enumerate(rows):
         ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
+    return ids, mask
+
+
+def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int) -> list[np.ndarray]:
+    """Logits at every position of every row, [len(row), vocab], one decode step per column."""
+    ids, mask = left_padded(rows, pad_id)
+    width = ids.shape[1]
     cache = backend.new_cache(len(rows), width)
     steps = []
     for t in range(width):
@@ -81,12 +88,8 @@ def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int) -> list
 
 def greedy(backend: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
     """new_tokens greedy tokens per prompt, EOS ignored, so every row has the same length."""
-    width = max(len(p) for p in prompts)
-    ids = np.full((len(prompts), width), pad_id, np.int64)
-    mask = np.zeros((len(prompts), width), np.int64)
-    for i, p in enumerate(prompts):
-        ids[i, width - len(p):], mask[i, width - len(p):] = p, 1
-    cache = backend.new_cache(len(prompts), width + new_tokens)
+    ids, mask = left_padded(prompts, pad_id)
+    cache = backend.new_cache(len(prompts), ids.shape[1] + new_tokens)
     logits, cache = backend.run(ids, mask, np.clip(mask.cumsum(-1) - 1, 0, None), cache)
     tokens = []
     for _ in range(new_tokens):
