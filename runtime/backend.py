@@ -94,19 +94,23 @@ class OnnxRuntimeBackend:
             cache = _BoundCache(cache)
         if cache.binding is None:  # once per cache: the buffers stay bound for every step
             cache.binding = self.session.io_binding()
-            cache.binding.bind_output("logits")
             # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present.
             cache.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in cache]
-            for past_name, present_name, value in zip(self.past_names, self.output_names[1:], cache.values,
-                                                      strict=True):
+            for past_name, value in zip(self.past_names, cache.values, strict=True):
                 cache.binding.bind_ortvalue_input(past_name, value)
+        if cache.seq != input_ids.shape[1]:
+            # ONNX Runtime reuses the logits buffer it allocated for the last run, so rebind when its
+            # shape changes (prefill -> decode with `logits: all`). Logits first: get_outputs()[0].
+            cache.binding.clear_binding_outputs()
+            cache.binding.bind_output("logits")
+            for present_name, value in zip(self.output_names[1:], cache.values, strict=True):
                 cache.binding.bind_ortvalue_output(present_name, value)
+            cache.seq = input_ids.shape[1]
         for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
                             ("position_ids", position_ids)):
             cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
         self.session.run_with_iobinding(cache.binding)
-        # A copy: the bound logits buffer is reused by the next run.
-        return cache.binding.get_outputs()[0].numpy().copy()
+        return cache.binding.get_outputs()[0].numpy().copy()  # a copy: the next run writes the same buffer
 
 
 class _BoundCache(list):
@@ -114,3 +118,4 @@ class _BoundCache(list):
 
     binding: Any = None
     values: list | None = None
+    seq: int | None = None  # the sequence length the logits output is bound for
