@@ -138,7 +138,7 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     report: dict[str, Any] = {"optimize": optimized}
     if variant.quantize or variant.precision != "fp32":
         graph, report["quantize"] = quantize(graph, variant, data.calibration, work / "quantized")
-        check_finite(graph, data.calibration)
+        check_finite(graph, data.calibration, variant.name)
     metrics = measure(OnnxRuntimeBackend(graph.model_path, graph.interface), data.inputs, reference)
     gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
     failures = failed_gates(metrics, gates)

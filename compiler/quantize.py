@@ -247,7 +247,7 @@ class _CalibrationFeed:
         raise QuantizeError("calibration data can be read only once")
 
 
-def check_finite(artifact: OnnxArtifact, prompts: Sequence[list[int]]) -> None:
+def check_finite(artifact: OnnxArtifact, prompts: Sequence[list[int]], name: str) -> None:
     """Overflow shows as inf or NaN in logits or KV: find it on the calibration prompts, not later."""
     from runtime.backend import OnnxRuntimeBackend
 
@@ -259,6 +259,6 @@ def check_finite(artifact: OnnxArtifact, prompts: Sequence[list[int]]) -> None:
         bad = [name for name, t in [("logits", logits), *(("KV cache", c) for c in cache)] if not np.isfinite(t).all()]
         if bad:
             raise QuantizeError(
-                f"{artifact.folder.name}: {bad[0]} overflow (inf or NaN) on calibration prompt {number + 1} in "
+                f"{name}: {bad[0]} overflow (inf or NaN) on calibration prompt {number + 1} in "
                 f"{artifact.interface['inputs'][3]['dtype']}; keep more ops in fp32 (quantize.exclude) or use fp32"
             )

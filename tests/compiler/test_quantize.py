@@ -110,3 +110,24 @@ def test_metrics_on_known_arrays():
     assert failed_gates(metrics, {"top1_agreement": 0.98, "perplexity_change": 0.02, "greedy_match": 0.9}) == [
         "top1_agreement 0.97 < 0.98", "perplexity_change 0.03 > 0.02"]
     assert failed_gates({**metrics, "top1_agreement": float("nan")}, {"top1_agreement": 0.5})
+
+
+def test_fp16_overflow_is_found_at_compile_time(tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from compiler.quantize import QuantizeError
+    from tests.conftest import build_tiny_checkpoint
+
+    folder = build_tiny_checkpoint("llama", tmp_path / "checkpoint")
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    with torch.no_grad():  # silu(gate) * up now exceeds fp16's 65504; fp32 holds it (RMSNorm rescales)
+        for layer in model.model.layers:
+            layer.mlp.gate_proj.weight.mul_(1e4)
+            layer.mlp.up_proj.weight.mul_(1e4)
+    model.save_pretrained(folder)
+    recipe = write_recipe(tmp_path / "r.yaml", folder, variants="  - {name: cpu-fp16, target: onnxruntime, "
+                                                                  "precision: fp16}\n")
+    with pytest.raises(QuantizeError, match=r"cpu-fp16: .* overflow \(inf or NaN\) on calibration prompt 1 in float16"):
+        compile_recipe(recipe, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
