@@ -19,11 +19,12 @@ class Rule:
     apply: Callable[[Any, Any], int]
 
 
-# Attention first: it removes the Concat cache that the norms' patterns never touch anyway, and it
-# needs the export's own node structure, which later rules rewrite.
+# Rotary before attention, so that attention can rotate the [b, s, heads * d] projections directly
+# and drop the Reshape/Transpose pairs around each rotation; attention before the norms, because it
+# needs the export's own node structure.
 ONNXRUNTIME_RULES = (
+    Rule(rotary_embedding.NAME, rotary_embedding.apply),
     Rule(group_query_attention.NAME, group_query_attention.apply),
     Rule(rms_normalization.NAME, rms_normalization.apply),
     Rule(rms_normalization.SKIP_NAME, rms_normalization.apply_skip),
-    Rule(rotary_embedding.NAME, rotary_embedding.apply),
 )

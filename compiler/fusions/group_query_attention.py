@@ -96,6 +96,42 @@ def _merged_heads(node: Any) -> Any:
     return None
 
 
+def _carry_types(nodes: Any) -> None:
+    """Give the values this rule creates their element types. Later passes need them: the fp16
+    conversion, for one, places its Casts around fp32-only ops by them."""
+    import onnx_ir as ir
+
+    for node in nodes:
+        output = node.outputs[0]
+        if output.dtype is not None:
+            continue
+        if node.op_type == "Constant":
+            output.dtype = node.attributes["value"].value.dtype
+        elif node.op_type == "Shape":
+            output.dtype = ir.DataType.INT64
+        elif node.op_type == "Equal":
+            output.dtype = ir.DataType.BOOL
+        elif node.op_type == "Cast":
+            output.dtype = ir.DataType(node.attributes["to"].value)
+        elif node.op_type == "Where":
+            output.dtype = node.inputs[1].dtype
+        elif node.inputs and node.inputs[0] is not None:
+            output.dtype = node.inputs[0].dtype
+
+
+def _merged_source(value: Any) -> Any:
+    """x if value = Transpose(0, 2, 1, 3)(Reshape(x)) with x of rank 3, [b, s, n * d]; else None."""
+    transpose = value.producer()
+    if transpose is None or transpose.op_type != "Transpose":
+        return None
+    perm = transpose.attributes.get("perm")
+    reshape = transpose.inputs[0].producer()
+    if perm is None or list(perm.value) != [0, 2, 1, 3] or reshape is None or reshape.op_type != "Reshape":
+        return None
+    source = reshape.inputs[0]
+    return source if source.shape is not None and len(source.shape) == 3 else None
+
+
 def _mask_inputs(graph: Any) -> dict[str, Any]:
     """Once for all layers:
 
@@ -125,6 +161,7 @@ def _mask_inputs(graph: Any) -> dict[str, Any]:
     one = const("one64", np.array([1], np.int64))
     bias_4d = tape.op("Reshape", [row_bias, tape.op("Concat", [batch, one, one, slots], {"axis": 0})])
     bias = tape.op("Expand", [bias_4d, tape.op("Concat", [batch, one, seq, slots], {"axis": 0})])
+    _carry_types(tape.nodes)
     first = graph.node(0)
     graph.insert_before(first, tape.nodes)
     return {"seqlens_k": seqlens_k, "total_length": total_length, "bias": bias}
@@ -137,18 +174,30 @@ def _fuse_layer(graph: Any, outputs: dict[str, int], layer: int, anchors: dict[s
     tape = ir.tape.Tape()
     merge = tape.op("Constant", [], {"value": ir.tensor(np.array([0, 0, -1], np.int64), name=f"merge_{layer}")})
 
-    def heads_last(value: Any) -> Any:  # [b, n, s, d] -> [b, s, n * d]
+    def heads_last(value: Any, heads: int) -> Any:  # [b, n, s, d] -> [b, s, n * d]
+        merged = _merged_source(value)
+        if merged is not None:  # it was split from [b, s, n * d] just before: use that
+            return merged
+        rotary = value.producer()
+        if rotary is not None and rotary.op_type == "RotaryEmbedding" and _merged_source(rotary.inputs[0]):
+            # Rotate the [b, s, n * d] tensor itself (RotaryEmbedding takes 3-D input with num_heads):
+            # no Reshape/Transpose pair on either side of it.
+            source = _merged_source(rotary.inputs[0])
+            return tape.op("RotaryEmbedding", [source, *rotary.inputs[1:]], {"interleaved": 0, "num_heads": heads},
+                           domain="com.microsoft")
         return tape.op("Reshape", [tape.op("Transpose", [value], {"perm": [0, 2, 1, 3]}), merge])
 
     attention, present_key, present_value = tape.op_multi_out(
         "GroupQueryAttention",
-        [heads_last(anchors["query"]), heads_last(anchors["key"]), heads_last(anchors["value"]),
+        [heads_last(anchors["query"], shapes.heads), heads_last(anchors["key"], shapes.kv_heads),
+         heads_last(anchors["value"], shapes.kv_heads),
          anchors["past_key"], anchors["past_value"], shared["seqlens_k"], shared["total_length"],
          None, None, None, shared["bias"]],
         {"num_heads": shapes.heads, "kv_num_heads": shapes.kv_heads, "scale": float(shapes.head_dim) ** -0.5,
          "local_window_size": shapes.sliding_window or -1},
         num_outputs=3, domain="com.microsoft", name=f"layers.{layer}.GroupQueryAttention",
     )
+    _carry_types(tape.nodes)
     if len(anchors["out"].shape) == 2:
         flat = tape.op("Constant", [], {"value": ir.tensor(np.array([-1, shapes.heads * shapes.head_dim], np.int64),
                                                            name=f"flat_{layer}")})

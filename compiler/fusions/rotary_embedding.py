@@ -49,6 +49,7 @@ def apply(model: Any, shapes: Any) -> int:
         tape = ir.tape.Tape()
         rotated = tape.op("RotaryEmbedding", [x, positions, cos_cache, sin_cache], {"interleaved": 0},
                           domain="com.microsoft")
+        rotated.dtype, rotated.shape = add.outputs[0].dtype, add.outputs[0].shape
         graph.insert_after(add, tape.nodes)
         ir.convenience.replace_all_uses_with(add.outputs[0], rotated)
     model.opset_imports.setdefault("com.microsoft", 1)
