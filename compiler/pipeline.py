@@ -109,7 +109,7 @@ def _describe(variant: Variant) -> str:
 @dataclass
 class ValidationData:
     inputs: Inputs
-    calibration: list[list[int]]
+    calibration: dict[str, list[list[int]]]  # by variant name: its own calibration file, or the shipped set
 
 
 def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> ValidationData:
@@ -117,13 +117,19 @@ def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> Vali
     encode = lambda text: tokenizer(text, add_special_tokens=True)["input_ids"]  # noqa: E731
     prompts_file = resolve_path(base, recipe.validate_.prompts) if recipe.validate_.prompts else DEFAULT_PROMPTS
     text_file = resolve_path(base, recipe.validate_.text) if recipe.validate_.text else DEFAULT_TEXT
-    calibration = [v.quantize.calibration for v in recipe.variants if v.quantize and v.quantize.calibration]
-    calibration_file = resolve_path(base, calibration[0]) if calibration else DEFAULT_CALIBRATION
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     limit = recipe.export.max_context - recipe.validate_.max_new_tokens
     prompts = [encode(p)[-limit:] for p in read_prompts(prompts_file)]
     inputs = Inputs(text_rows(encode(text_file.read_text())), prompts, recipe.validate_.max_new_tokens, pad)
-    return ValidationData(inputs, [encode(p)[: recipe.export.max_context] for p in read_prompts(calibration_file)])
+    encoded: dict[Path, list[list[int]]] = {}  # each file once, however many variants name it
+    calibration = {}
+    for variant in recipe.variants:
+        named = variant.quantize.calibration if variant.quantize else None
+        file = resolve_path(base, named) if named else DEFAULT_CALIBRATION
+        if file not in encoded:
+            encoded[file] = [encode(p)[: recipe.export.max_context] for p in read_prompts(file)]
+        calibration[variant.name] = encoded[file]
+    return ValidationData(inputs, calibration)
 
 
 def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data: ValidationData,
@@ -137,8 +143,9 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
              + ", ".join(f"{k} {v}" for k, v in optimized["rules"].items()))
     report: dict[str, Any] = {"optimize": optimized}
     if variant.quantize or variant.precision != "fp32":
-        graph, report["quantize"] = quantize(graph, variant, data.calibration, work / "quantized")
-        check_finite(graph, data.calibration, variant.name)
+        calibration = data.calibration[variant.name]
+        graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
+        check_finite(graph, calibration, variant.name)
     metrics = measure(OnnxRuntimeBackend(graph.model_path, graph.interface), data.inputs, reference)
     gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
     failures = failed_gates(metrics, gates)

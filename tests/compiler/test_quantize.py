@@ -131,3 +131,25 @@ def test_fp16_overflow_is_found_at_compile_time(tmp_path):
     with pytest.raises(QuantizeError, match=r"cpu-fp16: .* overflow \(inf or NaN\) on calibration prompt 1 in float16"):
         compile_recipe(recipe, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_each_variant_calibrates_on_its_own_file(tiny_checkpoints, tmp_path):
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from compiler.pipeline import _validation_data
+    from compiler.recipe import load_recipe
+
+    for name, word in (("a.jsonl", "alpha"), ("b.jsonl", "omega")):
+        (tmp_path / name).write_text(f'{{"prompt": "{word} {word}"}}\n' * 8)
+    variants = ("  - {name: qa, target: onnxruntime, quantize: {mode: int8-static, calibration: a.jsonl}}\n"
+                "  - {name: qb, target: onnxruntime, quantize: {mode: int8-static, calibration: b.jsonl}}\n"
+                "  - {name: plain, target: onnxruntime, precision: fp16}\n")
+    recipe, base = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], variants=variants))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["llama"])
+    data = _validation_data(recipe, base, SimpleNamespace(tokenizer=tokenizer))
+    encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    assert data.calibration["qa"] == [encode("alpha alpha")] * 8
+    assert data.calibration["qb"] == [encode("omega omega")] * 8
+    assert len(data.calibration["plain"]) == 32  # the shipped default set
