@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime.generator import left_padded
+
 TEXT_ROW_TOKENS = 256  # the held-out text is scored as rows of this many tokens, decoded side by side
 MAX_TEXT_TOKENS = 1024
 
@@ -60,16 +62,6 @@ class Inputs:
     prompts: list[list[int]]
     new_tokens: int
     pad_id: int
-
-
-def left_padded(rows: Sequence[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-    """ids and attention mask with every row's last token in the last column, as the runtime pads."""
-    width = max(len(r) for r in rows)
-    ids = np.full((len(rows), width), pad_id, np.int64)
-    mask = np.zeros((len(rows), width), np.int64)
-    for i, row in enumerate(rows):
-        ids[i, width - len(row):], mask[i, width - len(row):] = row, 1
-    return ids, mask
 
 
 def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int) -> list[np.ndarray]:

@@ -22,6 +22,7 @@ guess what is good enough.
 from __future__ import annotations
 
 import fnmatch
+import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -40,7 +41,6 @@ BLOCKED_FP16 = (
     "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
     "GroupQueryAttention",
 )
-MIN_CALIBRATION_PROMPTS = 8
 
 
 class QuantizeError(ExportError):
@@ -111,8 +111,6 @@ def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration:
     except ValueError as exc:  # ONNX Runtime's histogram calibrators fail on near-constant tensors
         raise QuantizeError(f"{variant.name}: calibration method {spec.method} failed in ONNX Runtime's "
                             f"calibrator ({exc}); use method: minmax") from None
-    import shutil
-
     shutil.rmtree(work)
     return source.interface
 
@@ -256,7 +254,7 @@ def check_finite(artifact: OnnxArtifact, prompts: Sequence[list[int]], name: str
         row = np.array([ids], np.int64)
         cache = backend.new_cache(1, len(ids))
         logits, cache = backend.run(row, np.ones_like(row), np.arange(len(ids))[None], cache)
-        bad = [name for name, t in [("logits", logits), *(("KV cache", c) for c in cache)] if not np.isfinite(t).all()]
+        bad = [what for what, t in [("logits", logits), *(("KV cache", c) for c in cache)] if not np.isfinite(t).all()]
         if bad:
             raise QuantizeError(
                 f"{name}: {bad[0]} overflow (inf or NaN) on calibration prompt {number + 1} in "

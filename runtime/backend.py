@@ -78,19 +78,19 @@ class OnnxRuntimeBackend:
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         if self.shared:
-            return self._run_in_place(input_ids, attention_mask, position_ids, cache), cache
+            return self._run_in_place(input_ids, attention_mask, position_ids, cache)
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         feed.update(zip(self.past_names, cache, strict=True))
         logits, *present = self.session.run(self.output_names, feed)
         return logits, present
 
     def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                      cache: list[np.ndarray]) -> np.ndarray:
+                      cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         import onnxruntime as ort
 
         if attention_mask.shape[1] > cache[0].shape[2]:
             raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache[0].shape[2]}")
-        if not isinstance(cache, _BoundCache):
+        if not isinstance(cache, _BoundCache):  # arrays from elsewhere: bind them once, from now on
             cache = _BoundCache(cache)
         if cache.binding is None:  # once per cache: the buffers stay bound for every step
             cache.binding = self.session.io_binding()
@@ -110,7 +110,7 @@ class OnnxRuntimeBackend:
                             ("position_ids", position_ids)):
             cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
         self.session.run_with_iobinding(cache.binding)
-        return cache.binding.get_outputs()[0].numpy().copy()  # a copy: the next run writes the same buffer
+        return cache.binding.get_outputs()[0].numpy().copy(), cache  # a copy: the next run writes the same buffer
 
 
 class _BoundCache(list):

@@ -143,7 +143,7 @@ class Generator:
             yield from self._decode_batch(rows[start:start + self.max_batch_size])
 
     def _decode_batch(self, rows: list[_Row]) -> Iterator[Event]:
-        input_ids, mask = self._left_padded(rows)
+        input_ids, mask = left_padded([r.prompt for r in rows], self.pad_id)
         positions = np.clip(mask.cumsum(-1) - 1, 0, None)
         # Slots the batch can reach: the padded prompt plus the longest allowed continuation.
         capacity = mask.shape[1] + min(max(r.params.max_new_tokens for r in rows), self.max_context)
@@ -163,15 +163,6 @@ class Generator:
             mask = np.concatenate([mask, np.ones((len(rows), 1), np.int64)], axis=1)
             step_ids = np.array(tokens, np.int64)[:, None]
             logits, cache = self.backend.run(step_ids, mask, mask.sum(-1, keepdims=True) - 1, cache)
-
-    def _left_padded(self, rows: list[_Row]) -> tuple[np.ndarray, np.ndarray]:
-        width = max(len(r.prompt) for r in rows)
-        ids = np.full((len(rows), width), self.pad_id, np.int64)
-        mask = np.zeros((len(rows), width), np.int64)
-        for i, row in enumerate(rows):
-            ids[i, width - len(row.prompt):] = row.prompt
-            mask[i, width - len(row.prompt):] = 1
-        return ids, mask
 
     def _pick(self, row: _Row, logits: np.ndarray) -> int:
         # The history matters only to the repetition penalty; skip building it on the greedy hot path.
@@ -207,6 +198,16 @@ class Generator:
         if generated >= row.params.max_new_tokens or len(row.prompt) + generated >= self.max_context:
             return "length"
         return None
+
+
+def left_padded(prompts: Sequence[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids and attention mask with every prompt's last token in the last column (0 marks a pad)."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):], mask[i, width - len(prompt):] = prompt, 1
+    return ids, mask
 
 
 def _cut_at_stop(text: str, stops: tuple[str, ...]) -> str:
