@@ -15,6 +15,7 @@ unchanged.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -45,6 +46,22 @@ def agreement(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray]) 
     error = np.abs(out - ref)
     return {"top1_agreement": float((ref.argmax(-1) == out.argmax(-1)).mean()),
             "max_logit_error": float(error.max()), "mean_logit_error": float(error.mean())}
+
+
+def kl_divergence(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
+    """KL(reference || candidate) of the next-token distributions, per position: [..., vocab] -> [...]."""
+    # float64, a block of rows at a time: near-equal fp32 distributions differ by less than fp32 rounding.
+    ref, out = reference.reshape(-1, reference.shape[-1]), candidate.reshape(-1, candidate.shape[-1])
+    kl = np.empty(len(ref))
+    for start in range(0, len(ref), 64):
+        log_ref = log_softmax(ref[start:start + 64].astype(np.float64))
+        log_out = log_softmax(out[start:start + 64].astype(np.float64))
+        kl[start:start + 64] = (np.exp(log_ref) * (log_ref - log_out)).sum(-1)
+    return np.maximum(kl, 0.0).reshape(reference.shape[:-1])
+
+
+def cosine(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.dot(a, b) / max(np.linalg.norm(a) * np.linalg.norm(b), 1e-30))
 
 
 def greedy_match(reference: Sequence[Sequence[int]], candidate: Sequence[Sequence[int]]) -> dict[str, Any]:
@@ -78,31 +95,60 @@ def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int) -> list
     return [stacked[i, width - len(row):] for i, row in enumerate(rows)]
 
 
-def greedy(backend: Any, prompts: Sequence[list[int]], new_tokens: int, pad_id: int) -> list[list[int]]:
-    """new_tokens greedy tokens per prompt, EOS ignored, so every row has the same length."""
+def greedy(backend: Any, prompts: Sequence[list[int]], new_tokens: int,
+           pad_id: int) -> tuple[list[list[int]], np.ndarray]:
+    """new_tokens greedy tokens per prompt (EOS ignored, so every row has the same length), and the
+    prefill's logits at each prompt's last position."""
     ids, mask = left_padded(prompts, pad_id)
     cache = backend.new_cache(len(prompts), ids.shape[1] + new_tokens)
     logits, cache = backend.run(ids, mask, np.clip(mask.cumsum(-1) - 1, 0, None), cache)
+    prefill = logits[:, -1].copy()
     tokens = []
     for _ in range(new_tokens):
         step = logits[:, -1].argmax(-1).astype(np.int64)[:, None]
         tokens.append(step[:, 0])
         mask = np.concatenate([mask, np.ones((len(prompts), 1), np.int64)], axis=1)
         logits, cache = backend.run(step, mask, mask.sum(-1, keepdims=True) - 1, cache)
-    return np.stack(tokens, axis=1).tolist()
+    return np.stack(tokens, axis=1).tolist(), prefill
 
 
 @dataclass
-class Reference:
-    text_logits: list[np.ndarray]
-    continuations: list[list[int]]
-    prompt_logits: list[np.ndarray]  # teacher-forced over prompt + continuation, continuation positions only
+class Run:
+    """What one side computed on the inputs; the reference's continuations are the ones both sides score."""
+
+    text_logits: list[np.ndarray]  # teacher-forced over each held-out row, [len(row), vocab]
+    continuations: list[list[int]]  # its own greedy tokens per prompt
+    prefill_logits: np.ndarray  # [prompts, vocab]: the prefill's logits at each prompt's last position
+    continuation_logits: list[np.ndarray]  # teacher-forced over the reference's continuation, [new_tokens, vocab]
+    greedy_seconds: float  # the batched greedy run, prefill included
 
 
-def reference_run(backend: Any, inputs: Inputs) -> Reference:
-    continuations = greedy(backend, inputs.prompts, inputs.new_tokens, inputs.pad_id)
-    return Reference(teacher_forced(backend, inputs.text_rows, inputs.pad_id), continuations,
-                     _continuation_logits(backend, inputs, continuations))
+def reference_run(backend: Any, inputs: Inputs) -> Run:
+    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id)  # first: it also warms the backend up
+    continuations, prefill, seconds = _timed_greedy(backend, inputs)
+    return Run(text, continuations, prefill, _continuation_logits(backend, inputs, continuations), seconds)
+
+
+def candidate_run(backend: Any, inputs: Inputs, reference: Run) -> Run:
+    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id)
+    continuations, prefill, seconds = _timed_greedy(backend, inputs)
+    return Run(text, continuations, prefill, _continuation_logits(backend, inputs, reference.continuations), seconds)
+
+
+def _timed_greedy(backend: Any, inputs: Inputs) -> tuple[list[list[int]], np.ndarray, float]:
+    started = time.perf_counter()
+    tokens, prefill = greedy(backend, inputs.prompts, inputs.new_tokens, inputs.pad_id)
+    return tokens, prefill, time.perf_counter() - started
+
+
+def side_by_side_seconds(backends: Sequence[Any], inputs: Inputs, repeats: int) -> list[float]:
+    """Median seconds of the batched greedy run for each backend, the runs interleaved (A, B, A, B, ...)
+    so that drift of a noisy machine hits every side alike."""
+    seconds: list[list[float]] = [[] for _ in backends]
+    for _ in range(repeats):
+        for times, backend in zip(seconds, backends, strict=True):
+            times.append(_timed_greedy(backend, inputs)[2])
+    return [float(np.median(times)) for times in seconds]
 
 
 def _continuation_logits(backend: Any, inputs: Inputs, continuations: list[list[int]]) -> list[np.ndarray]:
@@ -112,27 +158,77 @@ def _continuation_logits(backend: Any, inputs: Inputs, continuations: list[list[
     return [lg[len(p) - 1:-1] for lg, p in zip(logits, inputs.prompts, strict=True)]
 
 
-def measure(backend: Any, inputs: Inputs, reference: Reference) -> dict[str, Any]:
-    """Every metric of the variant behind `backend` against the reference run."""
-    text_logits = teacher_forced(backend, inputs.text_rows, inputs.pad_id)
+def measure(backend: Any, inputs: Inputs, reference: Run) -> dict[str, Any]:
+    """Every metric of the model behind `backend` against the reference run."""
+    return compare_runs(reference, candidate_run(backend, inputs, reference), inputs)
+
+
+def compare_runs(reference: Run, candidate: Run, inputs: Inputs) -> dict[str, Any]:
+    """{"summary": overall metrics, "prompts": one record per prompt, "positions": per continuation position}."""
     targets = [row[1:] for row in inputs.text_rows]
     ppl_ref = perplexity([lg[:-1] for lg in reference.text_logits], targets)
-    ppl = perplexity([lg[:-1] for lg in text_logits], targets)
-    prompt_logits = _continuation_logits(backend, inputs, reference.continuations)
-    text = agreement(reference.text_logits, text_logits)
-    prompts = agreement(reference.prompt_logits, prompt_logits)
-    matches = greedy_match(reference.continuations,
-                           greedy(backend, inputs.prompts, inputs.new_tokens, inputs.pad_id))
-    return {
+    ppl = perplexity([lg[:-1] for lg in candidate.text_logits], targets)
+    text = agreement(reference.text_logits, candidate.text_logits)
+    prompts = agreement(reference.continuation_logits, candidate.continuation_logits)
+    per_prompt = [_prompt_metrics(reference, candidate, i) for i in range(len(inputs.prompts))]
+    text_kl = np.concatenate([kl_divergence(r, c) for r, c in zip(reference.text_logits, candidate.text_logits,
+                                                                  strict=True)])
+    prompt_kl = np.concatenate([p.pop("_kl") for p in per_prompt])
+    kl_all = np.concatenate([text_kl, prompt_kl])
+    generated = len(inputs.prompts) * inputs.new_tokens
+    speed_ref, speed = generated / reference.greedy_seconds, generated / candidate.greedy_seconds
+    summary = {
         "perplexity_reference": ppl_ref, "perplexity": ppl, "perplexity_change": ppl / ppl_ref - 1,
         "perplexity_change_abs": abs(ppl / ppl_ref - 1),
         "top1_agreement": min(text["top1_agreement"], prompts["top1_agreement"]),
         "top1_agreement_text": text["top1_agreement"], "top1_agreement_prompts": prompts["top1_agreement"],
         "max_logit_error": max(text["max_logit_error"], prompts["max_logit_error"]),
         "mean_logit_error": float(np.mean([text["mean_logit_error"], prompts["mean_logit_error"]])),
-        **matches,
+        "kl_divergence": float(kl_all.mean()), "kl_divergence_max": float(kl_all.max()),
+        "prefill_max_logit_error": max(p["prefill_max_logit_error"] for p in per_prompt),
+        "prefill_mean_logit_error": float(np.mean([p["prefill_mean_logit_error"] for p in per_prompt])),
+        "prefill_cosine": min(p["prefill_cosine"] for p in per_prompt),
+        "prefill_cosine_mean": float(np.mean([p["prefill_cosine"] for p in per_prompt])),
+        "greedy_match": float(np.mean([p["greedy_match"] for p in per_prompt])),
+        "tokens_per_second_reference": speed_ref, "tokens_per_second": speed,
+        "tokens_per_second_ratio": speed / speed_ref,
         "text_tokens": sum(len(r) for r in inputs.text_rows), "prompts": len(inputs.prompts),
         "new_tokens": inputs.new_tokens,
+    }
+    return {"summary": summary, "prompts": per_prompt, "positions": _position_metrics(reference, candidate)}
+
+
+def _prompt_metrics(reference: Run, candidate: Run, i: int) -> dict[str, Any]:
+    ref, out = reference.continuation_logits[i], candidate.continuation_logits[i]
+    first = greedy_match([reference.continuations[i]], [candidate.continuations[i]])["first_divergence"][0]
+    prefill_ref, prefill = reference.prefill_logits[i], candidate.prefill_logits[i]
+    kl = kl_divergence(ref, out)
+    return {
+        "index": i,
+        "prefill_max_logit_error": float(np.abs(prefill - prefill_ref).max()),
+        "prefill_mean_logit_error": float(np.abs(prefill - prefill_ref).mean()),
+        "prefill_cosine": cosine(prefill_ref, prefill),
+        "top1_agreement": float((ref.argmax(-1) == out.argmax(-1)).mean()),
+        "kl_divergence": float(kl.mean()), "kl_divergence_max": float(kl.max()),
+        "max_logit_error": float(np.abs(out - ref).max()),
+        "greedy_match": first is None, "first_divergence": first,
+        "reference_tokens": reference.continuations[i], "candidate_tokens": candidate.continuations[i],
+        "_kl": kl,
+    }
+
+
+def _position_metrics(reference: Run, candidate: Run) -> dict[str, list[float]]:
+    """Across prompts, at each position of the reference continuation (teacher-forced)."""
+    ref, out = np.stack(reference.continuation_logits), np.stack(candidate.continuation_logits)  # [p, n, vocab]
+    diverged = np.array([[a != b for a, b in zip(r, c, strict=True)]
+                         for r, c in zip(reference.continuations, candidate.continuations, strict=True)])
+    return {
+        "top1_agreement": (ref.argmax(-1) == out.argmax(-1)).mean(0).tolist(),
+        "mean_logit_error": np.abs(out - ref).mean((0, 2)).tolist(),
+        "max_logit_error": np.abs(out - ref).max((0, 2)).tolist(),
+        "kl_divergence": np.stack([kl_divergence(r, o) for r, o in zip(ref, out, strict=True)]).mean(0).tolist(),
+        # share of prompts whose own greedy run has parted from the reference at or before this position
+        "diverged": np.maximum.accumulate(diverged, axis=1).mean(0).tolist(),
     }
 
 
@@ -144,6 +240,9 @@ GATES = {
     "greedy_match": ("greedy_match", ">="),
     "perplexity_change": ("perplexity_change_abs", "<="),  # relative, either direction
     "max_logit_error": ("max_logit_error", "<="),
+    "kl_divergence": ("kl_divergence", "<="),  # mean over every scored position
+    "prefill_cosine": ("prefill_cosine", ">="),  # the worst prompt's
+    "tokens_per_second_ratio": ("tokens_per_second_ratio", ">="),  # candidate / reference, greedy batch
 }
 
 

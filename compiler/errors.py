@@ -29,3 +29,7 @@ class ExportMismatch(KilnError):
 
 class GateFailure(KilnError):
     """A variant missed an accuracy gate of the recipe."""
+
+
+class CompareInputError(KilnError):
+    """Two models cannot be compared as given (tokenizers differ, no prompts, an unknown gate)."""

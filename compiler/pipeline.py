@@ -1,5 +1,5 @@
-"""compile-model's pipeline: recipe -> load -> export -> validate -> per variant (optimize -> quantize ->
-accuracy gates) -> package.
+"""compile-model's pipeline: recipe -> load -> export -> validate export -> eager reference -> per variant
+(optimize -> quantize -> A/B against eager + gates, reports/<variant>.*) -> package.
 
 Each stage is a function from one artifact to the next; this module only sequences them, times
 them, and makes sure the result appears all at once or not at all.
@@ -7,6 +7,7 @@ them, and makes sure the result appears all at once or not at all.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import resource
 import shutil
@@ -16,9 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.backend import OnnxRuntimeBackend
-
-from .accuracy import Inputs, Reference, failed_gates, measure, reference_run, text_rows
+from .accuracy import Inputs, Run, measure, reference_run, text_rows
+from .compare import Side, assemble, eager_side, graph_backend
 from .errors import GateFailure, OutputError, RecipeError
 from .export import OnnxArtifact, export
 from .load import Checkpoint, load_checkpoint
@@ -36,6 +36,7 @@ from .recipe import (
     read_prompts,
     resolve_path,
 )
+from .report import write_report
 from .validate_export import CASES, validate_export
 
 
@@ -62,13 +63,14 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
                 f"max |logit error| {validation['max_abs_logit_error']:.3g} "
                 f"(relative {validation['max_rel_logit_error']:.2g}, tolerance {validation['tolerance_relative']:g})"
             )
-        with log.stage("reference", "fp32 export on the validation prompts and held-out text"):
+        with log.stage("reference", "eager torch on the validation prompts and held-out text"):
             data = _validation_data(recipe, base, checkpoint)
-            reference = reference_run(OnnxRuntimeBackend(exported.model_path, exported.interface), data.inputs)
+            eager = eager_side(checkpoint, f"eager:{recipe.model.source}", device="cpu")
+            reference = reference_run(eager.backend, data.inputs)
         built = {}
         for variant in variants:
             with log.stage(f"variant {variant.name}", _describe(variant)):
-                built[variant.name] = _build_variant(variant, exported, staging, data, reference, recipe, log)
+                built[variant.name] = _build_variant(variant, exported, staging, data, eager, reference, recipe, log)
         failed = {n: v["failed_gates"] for n, v in built.items() if v["status"] == "failed"}
         if failed and not keep_failed:
             lines = "; ".join(f"{n}: {', '.join(g)}" for n, g in failed.items())
@@ -109,6 +111,7 @@ def _describe(variant: Variant) -> str:
 @dataclass
 class ValidationData:
     inputs: Inputs
+    prompts: list[str]
     calibration: dict[str, list[list[int]]]  # by variant name: its own calibration file, or the shipped set
 
 
@@ -119,7 +122,8 @@ def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> Vali
     text_file = resolve_path(base, recipe.validate_.text) if recipe.validate_.text else DEFAULT_TEXT
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
     limit = recipe.export.max_context - recipe.validate_.max_new_tokens
-    prompts = [encode(p)[-limit:] for p in read_prompts(prompts_file)]
+    texts = read_prompts(prompts_file)
+    prompts = [encode(p)[-limit:] for p in texts]
     inputs = Inputs(text_rows(encode(text_file.read_text())), prompts, recipe.validate_.max_new_tokens, pad)
     encoded: dict[Path, list[list[int]]] = {}  # each file once, however many variants name it
     calibration = {}
@@ -129,11 +133,11 @@ def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> Vali
         if file not in encoded:
             encoded[file] = [encode(p)[: recipe.export.max_context] for p in read_prompts(file)]
         calibration[variant.name] = encoded[file]
-    return ValidationData(inputs, calibration)
+    return ValidationData(inputs, texts, calibration)
 
 
-def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data: ValidationData,
-                   reference: Reference, recipe: Recipe, log: StageLog) -> dict[str, Any]:
+def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data: ValidationData, eager: Side,
+                   reference: Run, recipe: Recipe, log: StageLog) -> dict[str, Any]:
     entry: dict[str, Any] = {"target": variant.target, "precision": variant.precision,
                              "quantize": variant.quantize.model_dump() if variant.quantize else None,
                              "fuse": variant.fuse}
@@ -146,10 +150,15 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         calibration = data.calibration[variant.name]
         graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
         check_finite(graph, calibration, variant.name)
-    metrics = measure(OnnxRuntimeBackend(graph.model_path, graph.interface), data.inputs, reference)
+    # The same A/B report compare-model writes, eager torch as A: reports/<variant>.{json,md,html}.
+    backend = graph_backend(graph.model_path, graph.interface)
+    candidate = dataclasses.replace(eager, label=f"{recipe.name}:{variant.name}", backend=backend,
+                                    description=f"{variant.name} ({_describe(variant)}), ONNX Runtime CPU")
     gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
-    failures = failed_gates(metrics, gates)
-    report["accuracy"] = {**metrics, "gates": gates, "failed_gates": failures}
+    comparison = assemble(eager, candidate, data.inputs, data.prompts, gates,
+                          measure(backend, data.inputs, reference))
+    write_report(comparison, staging / "reports", stem=variant.name)
+    metrics, failures = comparison["summary"], comparison["failed_gates"]
     log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
              f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
              + (f"; FAILED {', '.join(failures)}" if failures else ""))
@@ -160,8 +169,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
-               "fusions": optimized["rules"], "accuracy": {k: v for k, v in metrics.items() if k != "first_divergence"},
-               "report": f"variants/{variant.name}/report.json"}
+               "fusions": optimized["rules"], "gates": gates, "accuracy": metrics,
+               "report": f"variants/{variant.name}/report.json", "comparison": f"reports/{variant.name}.html"}
     if failures:
         return {**entry, **summary, "status": "failed", "failed_gates": failures}
     if variant.target == "tensorrt":

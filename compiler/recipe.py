@@ -89,6 +89,9 @@ class Gates(_Strict):
     greedy_match: float | None = Field(None, ge=0, le=1)
     perplexity_change: float | None = Field(None, ge=0)
     max_logit_error: float | None = Field(None, gt=0)
+    kl_divergence: float | None = Field(None, ge=0)
+    prefill_cosine: float | None = Field(None, ge=-1, le=1)
+    tokens_per_second_ratio: float | None = Field(None, gt=0)
 
 
 class Variant(_Strict):

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from .eager import REFERENCE_ATTENTION
 from .errors import ExportMismatch
 from .export import INPUTS, OnnxArtifact, _make_wrapper, kv_names
 from .load import Checkpoint
@@ -27,8 +28,6 @@ from .load import Checkpoint
 # with room on both sides.
 RELATIVE_TOLERANCE = 1e-4
 
-
-REFERENCE_ATTENTION = "eager"
 
 
 @dataclass(frozen=True)
@@ -55,8 +54,6 @@ def validate_export(checkpoint: Checkpoint, exported: OnnxArtifact, seed: int = 
     import onnxruntime as ort
 
     session = ort.InferenceSession(str(exported.model_path), providers=["CPUExecutionProvider"])
-    # The reference is transformers' own attention, never the export-only one the graph was traced with
-    # (compiler/attention.py): a mistake there must show up here, not be copied into both sides.
     checkpoint.model.set_attn_implementation(REFERENCE_ATTENTION)
     wrapper = _make_wrapper(checkpoint.model, exported.shapes.layers, exported.interface["logits"])
     rng = np.random.default_rng(seed)

@@ -27,6 +27,10 @@ class Tokenizer:
         return self._fast.decode(ids, skip_special_tokens=True)
 
     @property
+    def vocab(self) -> dict[str, int]:
+        return self._fast.get_vocab(with_added_tokens=True)
+
+    @property
     def vocab_size(self) -> int:
         return self._fast.get_vocab_size(with_added_tokens=True)
 

@@ -71,3 +71,21 @@ def test_greedy_equals_transformers_eager(smollm2_artifact):
                                    pad_token_id=2)[0, len(ids):].tolist()
         assert result.token_ids == eager[: len(result.token_ids)] and len(result.token_ids) == len(eager)
     assert "Paris" in batched[0].text
+
+
+def test_compare_reports_of_the_real_model(smollm2_artifact, tmp_path):
+    """The compile's validate stage wrote an A/B report per variant; compare-model gates one artifact
+    variant against another (no torch involved) and fails the gate int8 cannot meet."""
+    fp32 = json.loads((smollm2_artifact / "reports" / "cpu-fp32.json").read_text())
+    assert fp32["passed"] and fp32["summary"]["greedy_match"] == 1.0 and fp32["a"]["label"].startswith("eager:")
+    assert "PASS" in (smollm2_artifact / "reports" / "cpu-fp32.html").read_text()
+    result = subprocess.run([sys.executable, "-c", "from compiler.cli import compare_main; compare_main()",
+                             f"{smollm2_artifact}:cpu-fp32",
+                             f"{smollm2_artifact}:cpu-int8", "--gate", "top1_agreement=0.99", "--gate",
+                             "perplexity_change=0.05", "--speed-repeats", "1", "--report", str(tmp_path)],
+                            cwd=ROOT, capture_output=True, text=True)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "compare-model: gate failed: top1_agreement" in result.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert [g.split()[0] for g in report["failed_gates"]] == ["top1_agreement"]
+    assert 0.9 < report["summary"]["top1_agreement"] < 0.99

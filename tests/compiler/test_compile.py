@@ -25,7 +25,8 @@ def test_artifact_layout_and_manifest(tiny_artifacts, family):
     manifest = json.loads((folder / "manifest.json").read_text())
     assert manifest["schema_version"] == 1 and manifest["name"] == f"tiny-{family}"
     for name in ("tokenizer/tokenizer.json", "tokenizer/tokenizer_config.json", "tokenizer/generation_config.json",
-                 "variants/cpu-fp32/model.onnx", "reports/export-validation.json"):
+                 "variants/cpu-fp32/model.onnx", "reports/export-validation.json", "reports/cpu-fp32.json",
+                 "reports/cpu-fp32.md", "reports/cpu-fp32.html", "reports/cpu-fp32-unfused.html"):
         assert name in manifest["files"], name
     for relative, entry in manifest["files"].items():
         assert sha256_file(folder / relative) == entry["sha256"]
@@ -34,6 +35,10 @@ def test_artifact_layout_and_manifest(tiny_artifacts, family):
     assert manifest["source"]["kind"] == "folder" and len(manifest["source"]["sha256"]) == 64
     assert manifest["model"]["eos_token_ids"] == [0]
     assert manifest["variants"]["cpu-fp32"]["status"] == "built"
+    # The validate stage is compare-model's A/B against eager torch: an exact fp32 build matches it.
+    comparison = json.loads((folder / "reports" / "cpu-fp32.json").read_text())
+    assert comparison["a"]["label"].startswith("eager:") and comparison["summary"]["greedy_match"] == 1.0
+    assert comparison["summary"] == manifest["variants"]["cpu-fp32"]["accuracy"]
     assert set(manifest["compile"]["stage_seconds"]) == {"load", "export", "validate export", "reference",
                                                          "variant cpu-fp32", "variant cpu-fp32-unfused"}
     assert not list(folder.parent.glob(f".{folder.name}.*")), "staging folder left behind"

@@ -1,0 +1,62 @@
+"""Eager PyTorch behind the runtime's backend interface: new_cache / keep_rows / run, numpy in and out.
+
+With it, the accuracy code decodes an eager transformers model exactly as it decodes a compiled
+graph (same left padding, same prefill and decode steps), so an A/B comparison differs only in what
+computes the logits. The KV cache stays as torch tensors on the model's device between steps.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .export import _make_wrapper
+from .families import shapes_of
+
+# transformers' own attention is the reference, never the export-only one the graph was traced with
+# (compiler/attention.py): a mistake there must show up in a comparison, not be copied into both sides.
+REFERENCE_ATTENTION = "eager"
+DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--eager-device cuda: torch sees no CUDA device on this host; use cpu or auto")
+    return device
+
+
+class EagerBackend:
+    def __init__(self, model: Any, device: str = "cpu", dtype: str = "fp32") -> None:
+        import torch
+
+        model.set_attn_implementation(REFERENCE_ATTENTION)
+        self.device = torch.device(pick_device(device))
+        self.dtype = getattr(torch, DTYPES[dtype])
+        model.to(device=self.device, dtype=self.dtype)
+        self.shapes = shapes_of(model.config)
+        self.vocab_size = self.shapes.vocab_size
+        self.wrapper = _make_wrapper(model, self.shapes.layers, "last")
+
+    def new_cache(self, batch: int, capacity: int) -> list[Any]:
+        import torch
+
+        shape = (batch, self.shapes.kv_heads, 0, self.shapes.head_dim)
+        return [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(2 * self.shapes.layers)]
+
+    def keep_rows(self, cache: list[Any], rows: list[int]) -> list[Any]:
+        return [layer[rows] for layer in cache]
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            cache: list[Any]) -> tuple[np.ndarray, list[Any]]:
+        import torch
+
+        inputs = [torch.from_numpy(np.ascontiguousarray(a, np.int64)).to(self.device)
+                  for a in (input_ids, attention_mask, position_ids)]
+        with torch.inference_mode():
+            logits, *present = self.wrapper(*inputs, *cache)
+        return logits.float().cpu().numpy(), present

@@ -1,0 +1,231 @@
+"""A comparison report written three ways: JSON for machines, Markdown and one self-contained HTML page
+for people. Every number a person reads goes through `fmt`, so the three files show the same values.
+
+The HTML page has no external resource (no script, font or stylesheet from anywhere): plots are
+inline SVG drawn by matplotlib, so the page opens offline and can be attached to a ticket as is.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from .accuracy import GATES
+from .compare import worst_prompts
+
+# (label, summary key, format) for the summary table, in reading order.
+SUMMARY_ROWS = [
+    ("perplexity of A on the held-out text", "perplexity_reference", ".4f"),
+    ("perplexity of B on the held-out text", "perplexity", ".4f"),
+    ("perplexity change, B against A", "perplexity_change", "+.3%"),
+    ("top-1 agreement, teacher-forced (worse of text and prompts)", "top1_agreement", ".4f"),
+    ("top-1 agreement on the held-out text", "top1_agreement_text", ".4f"),
+    ("top-1 agreement over A's continuations", "top1_agreement_prompts", ".4f"),
+    ("greedy exact-match rate", "greedy_match", ".3f"),
+    ("KL(A || B) per token, mean", "kl_divergence", ".3e"),
+    ("KL(A || B) per token, max", "kl_divergence_max", ".3e"),
+    ("max |logit error|", "max_logit_error", ".3e"),
+    ("mean |logit error|", "mean_logit_error", ".3e"),
+    ("prefill max |logit error|", "prefill_max_logit_error", ".3e"),
+    ("prefill mean |logit error|", "prefill_mean_logit_error", ".3e"),
+    ("prefill cosine similarity, worst prompt", "prefill_cosine", ".6f"),
+    ("prefill cosine similarity, mean", "prefill_cosine_mean", ".6f"),
+    ("tokens/s of A (greedy, all prompts in one batch, prefill included)", "tokens_per_second_reference", ".1f"),
+    ("tokens/s of B (same run)", "tokens_per_second", ".1f"),
+    ("speed ratio B / A", "tokens_per_second_ratio", ".2f"),
+]
+FORMATS = {key: spec for _, key, spec in SUMMARY_ROWS}
+PROMPT_COLUMNS = [("#", "index", "d"), ("top-1", "top1_agreement", ".3f"), ("KL mean", "kl_divergence", ".3e"),
+                  ("max |err|", "max_logit_error", ".3e"), ("prefill cosine", "prefill_cosine", ".6f")]
+
+
+def fmt(key: str, value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return format(value, FORMATS.get(key, ".4g"))
+
+
+def write_report(report: dict[str, Any], folder: Path, stem: str = "report") -> list[Path]:
+    """report.json, report.md and report.html in `folder`; each file appears whole or not at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    contents = {"json": json.dumps(report, indent=2) + "\n", "md": markdown(report), "html": html_page(report)}
+    paths = []
+    for suffix, text in contents.items():
+        path = folder / f"{stem}.{suffix}"
+        partial = path.with_name(f".{path.name}.partial")
+        partial.write_text(text, encoding="utf-8")
+        os.replace(partial, path)
+        paths.append(path)
+    return paths
+
+
+def _gate_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
+    failed = {line.split()[0] for line in report["failed_gates"]}
+    rows = []
+    for gate, threshold in report["gates"].items():
+        metric, relation = GATES[gate]
+        rows.append((f"{gate} {relation} {threshold:g}", metric, fmt(metric, report["summary"][metric]),
+                     gate not in failed))
+    return rows
+
+
+def _speed_note(report: dict[str, Any]) -> str:
+    repeats = report["inputs"]["speed_repeats"]
+    return "tokens/s from one timed run each" if repeats == 1 else f"tokens/s: medians of {repeats} interleaved runs"
+
+
+def _verdict(report: dict[str, Any]) -> str:
+    if not report["gates"]:
+        return "NO GATES (measured only)"
+    return "PASS" if report["passed"] else f"FAIL ({len(report['failed_gates'])} of {len(report['gates'])} gates)"
+
+
+# -- Markdown -------------------------------------------------------------------------------------
+
+def _md_text(text: str) -> str:
+    for char in "\\`*_|<>[]":
+        text = text.replace(char, "\\" + char)
+    return text.replace("\n", " ⏎ ")
+
+
+def markdown(report: dict[str, Any]) -> str:
+    s = report["summary"]
+    lines = [f"# Kiln comparison: {_verdict(report)}", "",
+             f"- **A (reference):** `{report['a']['label']}`: {report['a']['description']}",
+             f"- **B (candidate):** `{report['b']['label']}`: {report['b']['description']}",
+             f"- {report['inputs']['prompts']} prompts x {report['inputs']['new_tokens']} new tokens, "
+             f"{report['inputs']['text_tokens']} held-out text tokens; {_speed_note(report)}; {report['created']}", ""]
+    if report["gates"]:
+        lines += ["## Gates", "", "| gate | value | result |", "| --- | --- | --- |"]
+        lines += [f"| {g} | {v} | {'pass' if ok else '**FAIL**'} |" for g, _, v, ok in _gate_rows(report)]
+        lines.append("")
+    lines += ["## Summary", "", "| metric | value |", "| --- | --- |"]
+    lines += [f"| {label} | {fmt(key, s[key])} |" for label, key, _ in SUMMARY_ROWS]
+    lines += ["", "## Worst prompts", "",
+              "Continuations are greedy; the part after the first differing token is in bold.", ""]
+    for p in worst_prompts(report):
+        where = "identical" if p["first_divergence"] is None else f"diverge at token {p['first_divergence']}"
+        lines += [f"### Prompt {p['index']}: {where}, KL mean {fmt('kl_divergence', p['kl_divergence'])}", "",
+                  f"> {_md_text(p['prompt'])}", ""]
+        for side, key in (("A", "reference_text"), ("B", "candidate_text")):
+            common, rest = _split(p, key)
+            lines.append(f"- **{side}:** {_md_text(common)}" + (f"**{_md_text(rest)}**" if rest.strip() else ""))
+        lines.append("")
+    lines += ["## Every prompt", "", "| " + " | ".join(c for c, _, _ in PROMPT_COLUMNS) + " | first divergence |",
+              "| " + " | ".join("---" for _ in range(len(PROMPT_COLUMNS) + 1)) + " |"]
+    for p in report["prompts"]:
+        cells = [format(p[k], spec) for _, k, spec in PROMPT_COLUMNS]
+        lines.append("| " + " | ".join(cells) + f" | {fmt('', p['first_divergence'])} |")
+    lines += ["", "Plots of agreement and error per position are in the HTML report beside this file.", ""]
+    return "\n".join(lines)
+
+
+def _split(prompt: dict[str, Any], key: str) -> tuple[str, str]:
+    """(shared text, this side's own rest) of a continuation."""
+    text, common = prompt[key], prompt["common_text"]
+    if prompt["first_divergence"] is None:
+        return text, ""
+    return (common, text[len(common):]) if text.startswith(common) else ("", text)
+
+
+# -- HTML -----------------------------------------------------------------------------------------
+
+STYLE = """
+body { font: 15px/1.45 system-ui, sans-serif; margin: 2em auto; max-width: 1100px; color: #222; padding: 0 1em; }
+h1 { font-size: 1.6em; } h2 { margin-top: 1.6em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: .5em 0; } td, th { border: 1px solid #ddd; padding: .25em .6em; }
+th { background: #f4f4f4; text-align: left; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+.pass { color: #176b2c; font-weight: bold; } .fail { color: #b00020; font-weight: bold; }
+.verdict { display: inline-block; padding: .2em .7em; border-radius: .3em; color: #fff; }
+.verdict.pass { background: #2e7d32; } .verdict.fail { background: #c62828; } .verdict.none { background: #777; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 1em; }
+.pair div { border: 1px solid #ddd; padding: .5em; white-space: pre-wrap; font-family: ui-monospace, monospace; }
+mark { background: #ffd54f; } .prompt { color: #555; font-style: italic; }
+figure { margin: 1em 0; } svg { max-width: 100%; height: auto; }
+"""
+
+
+def html_page(report: dict[str, Any]) -> str:
+    e = html.escape
+    s = report["summary"]
+    kind = "none" if not report["gates"] else ("pass" if report["passed"] else "fail")
+    parts = [f"<!doctype html><html lang='en'><head><meta charset='utf-8'><title>Kiln comparison: "
+             f"{e(_verdict(report))}</title><style>{STYLE}</style></head><body>",
+             f"<h1>Kiln comparison <span class='verdict {kind}' id='verdict'>{e(_verdict(report))}</span></h1>",
+             "<table>",
+             f"<tr><th>A (reference)</th><td><code>{e(report['a']['label'])}</code><br>"
+             f"{e(report['a']['description'])}</td></tr>",
+             f"<tr><th>B (candidate)</th><td><code>{e(report['b']['label'])}</code><br>"
+             f"{e(report['b']['description'])}</td></tr>",
+             f"<tr><th>inputs</th><td>{report['inputs']['prompts']} prompts x {report['inputs']['new_tokens']} new "
+             f"tokens, {report['inputs']['text_tokens']} held-out text tokens; {_speed_note(report)}; "
+             f"{e(report['created'])}</td></tr>",
+             "</table>"]
+    if report["gates"]:
+        parts.append("<h2>Gates</h2><table id='gates'><tr><th>gate</th><th>value</th><th>result</th></tr>")
+        for gate, _, value, ok in _gate_rows(report):
+            result = "<span class='pass'>pass</span>" if ok else "<span class='fail'>FAIL</span>"
+            parts.append(f"<tr><td>{e(gate)}</td><td class='num'>{value}</td><td>{result}</td></tr>")
+        parts.append("</table>")
+    parts.append("<h2>Summary</h2><table id='summary'><tr><th>metric</th><th>value</th></tr>")
+    parts += [f"<tr><td>{e(label)}</td><td class='num'>{fmt(key, s[key])}</td></tr>" for label, key, _ in SUMMARY_ROWS]
+    parts.append("</table><h2>Per position</h2>")
+    parts += [f"<figure>{svg}</figure>" for svg in _plots(report)]
+    parts.append("<h2>Worst prompts</h2><p>Greedy continuations of A and B; "
+                 "<mark>marked</mark> text comes after the first token where they differ.</p>")
+    for p in worst_prompts(report):
+        where = "identical" if p["first_divergence"] is None else f"diverge at token {p['first_divergence']}"
+        parts.append(f"<h3>Prompt {p['index']}: {where}, KL mean {fmt('kl_divergence', p['kl_divergence'])}</h3>"
+                     f"<p class='prompt'>{e(p['prompt'])}</p><div class='pair'>")
+        for side, key in (("A", "reference_text"), ("B", "candidate_text")):
+            common, rest = _split(p, key)
+            marked = f"<mark>{e(rest)}</mark>" if rest else ""
+            parts.append(f"<div><b>{side}</b>\n{e(common)}{marked}</div>")
+        parts.append("</div>")
+    header = "".join(f"<th>{e(c)}</th>" for c, _, _ in PROMPT_COLUMNS)
+    parts.append(f"<h2>Every prompt</h2><table id='prompts'><tr>{header}<th>first divergence</th><th>prompt</th></tr>")
+    for p in report["prompts"]:
+        cells = "".join(f"<td class='num'>{format(p[k], spec)}</td>" for _, k, spec in PROMPT_COLUMNS)
+        parts.append(f"<tr>{cells}<td class='num'>{fmt('', p['first_divergence'])}</td>"
+                     f"<td>{e(p['prompt'][:80])}</td></tr>")
+    parts.append("</table></body></html>\n")
+    return "\n".join(parts)
+
+
+def _plots(report: dict[str, Any]) -> list[str]:
+    from matplotlib.figure import Figure  # no pyplot: no global state, no display backend
+
+    positions = report["positions"]
+    x = list(range(len(positions["top1_agreement"])))
+    agreement = Figure(figsize=(9, 3.2))
+    ax = agreement.subplots()
+    ax.plot(x, positions["top1_agreement"], marker=".", label="top-1 agreement (teacher-forced)")
+    ax.plot(x, [1 - d for d in positions["diverged"]], marker=".", label="share of prompts still matching (greedy)")
+    ax.set(xlabel="position in A's continuation", ylabel="share of prompts", ylim=(-0.02, 1.02),
+           title="Agreement per position")
+    ax.legend(loc="lower left")
+    errors = Figure(figsize=(9, 3.2))
+    ax = errors.subplots()
+    floor = 1e-12  # identical logits would put zeros on a log axis
+    for key, label in (("max_logit_error", "max |logit error|"), ("mean_logit_error", "mean |logit error|"),
+                       ("kl_divergence", "KL(A || B), mean")):
+        ax.plot(x, [max(v, floor) for v in positions[key]], marker=".", label=label)
+    ax.set(xlabel="position in A's continuation", yscale="log", title="Logit error and KL per position")
+    ax.legend(loc="best")
+    return [_svg(agreement), _svg(errors)]
+
+
+def _svg(figure: Any) -> str:
+    figure.set_layout_engine("tight")
+    buffer = io.StringIO()
+    figure.savefig(buffer, format="svg", metadata={"Date": None})
+    text = buffer.getvalue()
+    text = text[text.index("<svg"):]
+    return re.sub(r"<metadata>.*?</metadata>", "", text, flags=re.S)
