@@ -7,17 +7,19 @@ import time
 from collections.abc import Iterator
 
 from rich.console import Console
+from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 
 class StageLog:
     def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True, highlight=False)
+        self.console = console or Console(stderr=True, highlight=False, emoji=False)
         self.seconds: dict[str, float] = {}
 
     @contextlib.contextmanager
     def stage(self, name: str, detail: str = "") -> Iterator[None]:
-        self.console.print(f"[bold]→ {name}[/bold] {detail}".rstrip())
+        # Details are user text (paths, sources): never rich markup or :emoji: codes.
+        self.console.print(f"[bold]→ {escape(name)}[/bold] {escape(detail)}".rstrip())
         start = time.perf_counter()
         try:
             yield
@@ -41,4 +43,4 @@ class StageLog:
             yield
 
     def note(self, text: str) -> None:
-        self.console.print(f"  {text}")
+        self.console.print(f"  {escape(text)}")
