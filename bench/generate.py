@@ -54,11 +54,12 @@ def read_bandwidth_gbs(threads: int) -> float:
     return data.nbytes / best / 1e9
 
 
-def bench_kiln(artifact: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int) -> dict:
+def bench_kiln(artifact: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int,
+               variant: str | None = None) -> dict:
     from runtime.generator import Generator
     from runtime.sampling import SamplingParams
 
-    generator = Generator.load(artifact, threads=threads, max_batch_size=len(prompts))
+    generator = Generator.load(artifact, variant=variant, threads=threads, max_batch_size=len(prompts))
     params = SamplingParams(max_new_tokens=new_tokens, ignore_eos=True)
     generator.warmup()  # outside the timings
     totals, ttfts = [], []
@@ -75,8 +76,8 @@ def bench_eager(model, prompts: list[list[int]], new_tokens: int, repeats: int, 
     import torch
 
     width = max(len(p) for p in prompts)
-    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts])
-    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in prompts], device=model.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=model.device)
     kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=pad_id, eos_token_id=None)
     with torch.no_grad():
         model.generate(ids[:2], attention_mask=mask[:2], max_new_tokens=4, do_sample=False, pad_token_id=pad_id)
@@ -87,6 +88,8 @@ def bench_eager(model, prompts: list[list[int]], new_tokens: int, repeats: int, 
             ttfts.append(time.perf_counter() - start)
             start = time.perf_counter()
             out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+            if out.device.type == "cuda":
+                torch.cuda.synchronize()
             totals.append(time.perf_counter() - start)
             assert out.shape[1] == width + new_tokens
     return _cell(totals, ttfts, len(prompts), new_tokens)

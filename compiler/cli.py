@@ -1,4 +1,4 @@
-"""compile-model RECIPE [--out DIR] [--variant NAME ...] [--keep-failed] [--debug]
+"""compile-model RECIPE [--out DIR] [--variant NAME ...] [--keep-failed] [--strict] [--debug]
 compare-model A B [--prompts FILE] [--text FILE] [--max-new-tokens N] [--gates FILE] [--gate K=V ...] [--report DIR]
 """
 
@@ -31,8 +31,11 @@ def _interrupt(signum: int, frame: object) -> None:
 @click.option("--variant", "variants", multiple=True, metavar="NAME", help="Build only this variant (repeatable).")
 @click.option("--keep-failed", is_flag=True,
               help="Keep variants that miss their accuracy gates, marked failed in the manifest, and exit 0.")
+@click.option("--strict", is_flag=True,
+              help="Fail (exit 1) when a tensorrt variant cannot be built here instead of recording it as skipped.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks and the exporter's own output.")
-def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: bool, debug: bool) -> None:
+def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: bool, strict: bool,
+         debug: bool) -> None:
     """Compile the model a RECIPE names into a validated artifact folder."""
     from .pipeline import compile_recipe  # heavy imports only once the arguments are known good
 
@@ -41,7 +44,7 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
     logging.basicConfig(level=logging.INFO if debug else logging.ERROR)
     signal.signal(signal.SIGTERM, _interrupt)
     try:
-        folder = compile_recipe(recipe, out, variants, debug=debug, keep_failed=keep_failed)
+        folder = compile_recipe(recipe, out, variants, debug=debug, keep_failed=keep_failed, strict=strict)
     except KilnError as exc:
         if debug:
             raise

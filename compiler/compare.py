@@ -22,6 +22,7 @@ import yaml
 from pydantic import ValidationError
 
 from runtime.artifact import Artifact
+from runtime.backend import open_backend
 from runtime.errors import IncompatibleArtifact
 
 from .accuracy import (
@@ -96,12 +97,13 @@ def _artifact_side(text: str, threads: int | None, verify: bool) -> Side:
     folder, name = _split_variant(text)
     artifact = Artifact.open(folder, verify=verify)
     entry = _variant_entry(artifact, name)
-    backend = graph_backend(artifact.folder / entry["model"], entry["interface"], threads)
+    backend = open_backend(artifact.folder, entry, threads=threads, verified=verify)
     tokenizer = Tokenizer(artifact.tokenizer_dir)
     model = artifact.manifest["model"]
     details = ", ".join(str(p) for p in (entry["target"], entry["precision"],
                                          (entry.get("quantize") or {}).get("mode"), entry["status"]) if p)
-    return Side(text, f"{artifact.folder.name}:{entry['name']} ({details}), ONNX Runtime CPU", backend,
+    runs_on = "TensorRT engine" if "engine" in entry else "ONNX Runtime CPU"
+    return Side(text, f"{artifact.folder.name}:{entry['name']} ({details}), {runs_on}", backend,
                 tokenizer.encode, tokenizer.decode, tokenizer.vocab, min(model["eos_token_ids"], default=0),
                 model["max_context"], entry.get("gates", {}))
 

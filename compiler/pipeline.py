@@ -30,18 +30,22 @@ from .recipe import (
     DEFAULT_CALIBRATION,
     DEFAULT_PROMPTS,
     DEFAULT_TEXT,
+    EngineSpec,
     Recipe,
     Variant,
+    default_profiles,
     load_recipe,
     read_prompts,
     resolve_path,
 )
 from .report import write_report
+from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
 from .validate_export import CASES, validate_export
 
 
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, variant_names: Sequence[str] = (),
-                   debug: bool = False, keep_failed: bool = False, log: StageLog | None = None) -> Path:
+                   debug: bool = False, keep_failed: bool = False, strict: bool = False,
+                   log: StageLog | None = None) -> Path:
     """Build the artifact a recipe describes; returns its folder."""
     log = log or StageLog()
     started = time.perf_counter()
@@ -70,7 +74,12 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
         built = {}
         for variant in variants:
             with log.stage(f"variant {variant.name}", _describe(variant)):
-                built[variant.name] = _build_variant(variant, exported, staging, data, eager, reference, recipe, log)
+                built[variant.name] = _build_variant(variant, exported, staging, data, eager, reference, recipe,
+                                                     base, log)
+        skipped = {n: v["reason"] for n, v in built.items() if v["status"] == "skipped"}
+        if skipped and strict:
+            lines = "; ".join(f"{n}: {reason}" for n, reason in skipped.items())
+            raise EngineUnavailable(f"--strict: engines not built: {lines}")
         failed = {n: v["failed_gates"] for n, v in built.items() if v["status"] == "failed"}
         if failed and not keep_failed:
             lines = "; ".join(f"{n}: {', '.join(g)}" for n, g in failed.items())
@@ -137,7 +146,7 @@ def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> Vali
 
 
 def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data: ValidationData, eager: Side,
-                   reference: Run, recipe: Recipe, log: StageLog) -> dict[str, Any]:
+                   reference: Run, recipe: Recipe, base: Path, log: StageLog) -> dict[str, Any]:
     entry: dict[str, Any] = {"target": variant.target, "precision": variant.precision,
                              "quantize": variant.quantize.model_dump() if variant.quantize else None,
                              "fuse": variant.fuse}
@@ -150,6 +159,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         calibration = data.calibration[variant.name]
         graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
         check_finite(graph, calibration, variant.name)
+    if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
+        graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
     # The same A/B report compare-model writes, eager torch as A: reports/<variant>.{json,md,html}.
     backend = graph_backend(graph.model_path, graph.interface)
     candidate = dataclasses.replace(eager, label=f"{recipe.name}:{variant.name}", backend=backend,
@@ -174,10 +185,27 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if failures:
         return {**entry, **summary, "status": "failed", "failed_gates": failures}
     if variant.target == "tensorrt":
-        reason = "TensorRT engine builds are not implemented in this version of Kiln; the graph it would get is kept"
-        log.note(f"{variant.name}: engine skipped: {reason}")
-        return {**entry, **summary, "status": "skipped", "reason": reason}
+        return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log)}
     return {**entry, **summary, "status": "built"}
+
+
+def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path,
+            log: StageLog) -> dict[str, Any]:
+    """Build the variant's engine beside its graph, or record why this host cannot."""
+    ranges = variant.profiles or default_profiles(recipe.export.max_context)
+    profiles = engine_profiles(ranges, graph.interface)
+    write_json(folder / PROFILES_FILE, profiles)
+    spec = variant.engine or EngineSpec()
+    cache = resolve_path(base, spec.timing_cache) if spec.timing_cache else None
+    try:
+        with log.spinner("building the TensorRT engine"):
+            engine = build_engine(folder / graph.files[0], graph.interface, profiles, spec, cache, folder)
+    except EngineUnavailable as exc:
+        log.note(f"engine skipped: {exc}")
+        return {"status": "skipped", "reason": str(exc), "profiles": ranges.model_dump()}
+    log.note(f"engine built in {engine['build_seconds']} s on {engine['gpu']} (TensorRT {engine['tensorrt_version']})")
+    return {"status": "built", "engine": {**engine, "file": f"variants/{variant.name}/{engine['file']}"},
+            "profiles": ranges.model_dump()}
 
 
 def _manifest_sections(recipe: Recipe, checkpoint: Checkpoint, exported: OnnxArtifact, validation: dict,

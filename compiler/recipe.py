@@ -45,7 +45,8 @@ MinOptMax = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=3, max
 
 
 class Profiles(_Strict):
-    """TensorRT optimization profile ranges, each [min, opt, max]."""
+    """TensorRT optimization profile ranges, each [min, opt, max]; context counts prompt + generated
+    tokens. Without them a tensorrt variant gets default_profiles(export.max_context)."""
 
     batch: MinOptMax = [1, 8, 32]
     prompt: MinOptMax = [1, 128, 1024]
@@ -57,6 +58,42 @@ class Profiles(_Strict):
         if not value[0] <= value[1] <= value[2]:
             raise ValueError(f"must be [min, opt, max] with min <= opt <= max, got {value}")
         return value
+
+
+class EngineSpec(_Strict):
+    """TensorRT builder settings of a tensorrt variant."""
+
+    optimization_level: int = Field(3, ge=0, le=5)  # builder_optimization_level: build time vs kernel search
+    workspace_mib: int = Field(4096, ge=16)
+    # none: this GPU's architecture only; ampere_plus: any Ampere or newer GPU (slower kernels);
+    # same_compute_capability: any GPU of the build GPU's compute capability.
+    hardware_compatibility: Literal["none", "ampere_plus", "same_compute_capability"] = "none"
+    # A version-compatible engine runs on later TensorRT releases; it carries host code the runtime
+    # allows only for verified artifacts.
+    version_compatible: bool = False
+    # Reused between builds (same TensorRT and GPU); relative to the recipe. Default:
+    # ~/.cache/kiln/tensorrt/timing-<TensorRT version>-sm<compute capability>.cache
+    timing_cache: str | None = None
+
+
+def profile_problem(profiles: Profiles, max_context: int) -> str | None:
+    """Why these ranges cannot make a working pair of engine profiles, as `key: reason`, or None."""
+    prompt, context = profiles.prompt, profiles.context
+    if context[2] > max_context:
+        return f"context: max {context[2]} exceeds export.max_context {max_context}; lower it or raise max_context"
+    if context[2] < 2:
+        return "context: max must be at least 2 (a prompt token and a generated one)"
+    if prompt[2] >= context[2]:
+        return (f"prompt: max {prompt[2]} leaves no room to generate within context max {context[2]}; "
+                "make it smaller than the context max")
+    return None
+
+
+def default_profiles(max_context: int) -> Profiles:
+    """Ranges for a tensorrt variant that names none: everything export.max_context allows."""
+    prompt_max = max(max_context // 2, 1)
+    return Profiles(batch=[1, 8, 32], prompt=[1, min(128, prompt_max), prompt_max],
+                    context=[1, min(512, max_context), max_context])
 
 
 class QuantizeSpec(_Strict):
@@ -103,6 +140,7 @@ class Variant(_Strict):
     # graphs always stay standard ONNX.
     fuse: bool = True
     profiles: Profiles | None = None
+    engine: EngineSpec | None = None
     # Overrides validate.gates for this variant (a quantized variant may get looser ones).
     gates: Gates | None = None
 
@@ -110,6 +148,8 @@ class Variant(_Strict):
     def _fits_target(self) -> Variant:
         if self.profiles is not None and self.target != "tensorrt":
             raise ValueError("profiles: only tensorrt variants take optimization profiles")
+        if self.engine is not None and self.target != "tensorrt":
+            raise ValueError("engine: only tensorrt variants build engines")
         build = (self.precision, self.quantize.mode if self.quantize else None)
         if build not in BUILDS_BY_TARGET[self.target]:
             allowed = ", ".join(f"{p}" + (f" + {m}" if m else "") for p, m in sorted(
@@ -144,11 +184,10 @@ class Recipe(_Strict):
         if duplicates:
             raise ValueError(f"variants: names must be unique, repeated: {', '.join(duplicates)}")
         for v in self.variants:
-            if v.profiles and v.profiles.context[2] > self.export.max_context:
-                raise ValueError(
-                    f"variants.{v.name}.profiles.context: max {v.profiles.context[2]} exceeds "
-                    f"export.max_context {self.export.max_context}"
-                )
+            if v.profiles is not None:
+                problem = profile_problem(v.profiles, self.export.max_context)
+                if problem:
+                    raise ValueError(f"variants.{v.name}.profiles.{problem}")
         return self
 
     def select_variants(self, names: typing.Sequence[str]) -> list[Variant]:

@@ -75,6 +75,10 @@ class Artifact:
         if name is not None and variants.get(name, {}).get("status") == "failed":
             return {"name": name, **variants[name]}
         built = {k: v for k, v in variants.items() if v.get("status") == "built"}
+        if name is not None and variants.get(name, {}).get("status") == "skipped":
+            others = f"; built variants: {', '.join(built)}" if built else ""
+            raise IncompatibleArtifact(f"{self.folder}: variant {name!r} was not built: {variants[name]['reason']}"
+                                       + others)
         if not built:
             raise IncompatibleArtifact(f"{self.folder}: the artifact holds no built variant")
         if name is None:

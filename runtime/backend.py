@@ -7,6 +7,11 @@ the two forms the interface's `kv_sharing` names:
 - "shared-buffer" (GroupQueryAttention graphs): each array is preallocated to the batch's capacity
   and bound as both past and present, so ONNX Runtime writes this step's keys and values into it
   in place and the cache is never copied.
+
+An interface with `leading_kv_slot` (tensorrt variants) keeps one masked slot at the front of every
+cache, so past is never 0 long: TensorRT profiles cannot take zero-length dimensions reliably. The
+backend adds the slot (zeros, mask 0) itself; callers never see it. Running the tensorrt graph here
+with the slot checks the exact form the engine is driven in.
 """
 
 from __future__ import annotations
@@ -18,6 +23,16 @@ from typing import Any
 import numpy as np
 
 from .errors import IncompatibleArtifact
+
+
+def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+                 threads: int | None = None, verified: bool = True) -> Any:
+    """The backend a variant's manifest entry calls for: its TensorRT engine, or its ONNX graph."""
+    if "engine" in entry:
+        from .tensorrt_backend import TensorRTBackend
+
+        return TensorRTBackend(folder, entry, verified)
+    return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
 
 
 def expand(names: list[dict[str, Any]], layers: int) -> list[str]:
@@ -64,10 +79,11 @@ class OnnxRuntimeBackend:
         self.vocab_size = interface["vocab_size"]
         self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
         self.shared = interface.get("kv_sharing", "none") == "shared-buffer"
+        self.leading_slot = bool(interface.get("leading_kv_slot"))
 
     def new_cache(self, batch: int, capacity: int) -> list[np.ndarray]:
         """An empty cache for `batch` rows; a shared-buffer cache holds up to `capacity` slots."""
-        length = capacity if self.shared else 0
+        length = capacity if self.shared else int(self.leading_slot)
         arrays = [np.zeros((batch, self.kv_heads, length, self.head_dim), self.kv_dtype) for _ in self.past_names]
         return _BoundCache(arrays) if self.shared else arrays
 
@@ -79,6 +95,8 @@ class OnnxRuntimeBackend:
             cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
         if self.shared:
             return self._run_in_place(input_ids, attention_mask, position_ids, cache)
+        if self.leading_slot:
+            attention_mask = with_leading_slot(attention_mask)
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         feed.update(zip(self.past_names, cache, strict=True))
         logits, *present = self.session.run(self.output_names, feed)
@@ -111,6 +129,11 @@ class OnnxRuntimeBackend:
             cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
         self.session.run_with_iobinding(cache.binding)
         return cache.binding.get_outputs()[0].numpy().copy(), cache  # a copy: the next run writes the same buffer
+
+
+def with_leading_slot(attention_mask: np.ndarray) -> np.ndarray:
+    """The mask over [leading slot, cache..., new tokens]: the slot is always masked out."""
+    return np.concatenate([np.zeros((len(attention_mask), 1), np.int64), attention_mask], axis=1)
 
 
 class _BoundCache(list):

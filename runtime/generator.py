@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from .artifact import Artifact
-from .backend import OnnxRuntimeBackend
+from .backend import open_backend
 from .sampling import SamplingParams, next_token
 from .tokenizer import Tokenizer
 
@@ -62,12 +62,14 @@ class _Row:
 
 
 class Generator:
-    def __init__(self, artifact: Artifact, backend: OnnxRuntimeBackend, tokenizer: Tokenizer,
+    def __init__(self, artifact: Artifact, backend: Any, tokenizer: Tokenizer,
                  max_batch_size: int = 32) -> None:
         self.artifact, self.backend, self.tokenizer = artifact, backend, tokenizer
-        self.max_batch_size = max_batch_size
+        # An engine's profiles bound batch, prompt and context below what the graph itself allows.
+        self.max_batch_size = min(max_batch_size, getattr(backend, "max_batch_size", max_batch_size))
         model = artifact.manifest["model"]
-        self.max_context = model["max_context"]
+        self.max_context = min(model["max_context"], getattr(backend, "max_context", model["max_context"]))
+        self.max_prompt = getattr(backend, "max_prompt", self.max_context - 1)
         self.eos_ids = set(model["eos_token_ids"]) | set(_generation_eos(artifact.tokenizer_dir))
         self.pad_id = min(self.eos_ids, default=0)  # any valid id: pads are masked out
 
@@ -76,7 +78,7 @@ class Generator:
              threads: int | None = None, max_batch_size: int = 32, verify: bool = True) -> Generator:
         artifact = Artifact.open(artifact_dir, verify=verify)
         entry = artifact.variant(variant)
-        backend = OnnxRuntimeBackend(artifact.folder / entry["model"], entry["interface"], providers, threads)
+        backend = open_backend(artifact.folder, entry, providers, threads, verified=verify)
         return cls(artifact, backend, Tokenizer(artifact.tokenizer_dir), max_batch_size)
 
     def encode(self, prompt: Prompt) -> list[int]:
@@ -130,6 +132,9 @@ class Generator:
             raise ValueError("empty prompt")
         if len(ids) >= self.max_context:
             raise ValueError(f"prompt has {len(ids)} tokens; this artifact's max context is {self.max_context}")
+        if len(ids) > self.max_prompt:
+            raise ValueError(f"prompt has {len(ids)} tokens; this engine's prefill profile takes at most "
+                             f"{self.max_prompt}")
         if max(ids) >= self.backend.vocab_size or min(ids) < 0:
             raise ValueError(f"token ids must be in [0, {self.backend.vocab_size})")
         return ids

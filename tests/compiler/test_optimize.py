@@ -77,14 +77,16 @@ def test_a_broken_fusion_fails_the_check(tiny_artifacts, tiny_checkpoints, tmp_p
         optimize(exported, "onnxruntime", True, tmp_path / "broken")
 
 
-def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, tmp_path):
+def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, family, tmp_path):
+    """Every family's tensorrt-target graph passes the check against onnx-tensorrt's operator table
+    (ops, domains, dtypes), and the fused onnxruntime graph is refused by the same check."""
     import onnx_ir as ir
 
-    exported = _exported(tiny_artifacts, tiny_checkpoints, "qwen2")
+    exported = _exported(tiny_artifacts, tiny_checkpoints, family)
     graph, report = optimize(exported, "tensorrt", True, tmp_path / "trt")
     assert report["rules"] == {} and report["tensorrt_check"]["unsupported"] == {}
     assert all(not n.domain for n in onnx.load(str(graph.model_path)).graph.node)
-    fused = Artifact.open(tiny_artifacts["qwen2"]).variant("cpu-fp32")
+    fused = Artifact.open(tiny_artifacts[family]).variant("cpu-fp32")
     with pytest.raises(TensorRTIncompatible, match="com.microsoft::GroupQueryAttention .domain com.microsoft"):
-        check_tensorrt_graph(ir.load(str(tiny_artifacts["qwen2"] / fused["model"])))
+        check_tensorrt_graph(ir.load(str(tiny_artifacts[family] / fused["model"])))
     assert compare_graphs(exported, graph)["max_abs_logit_error"] == 0.0

@@ -1,0 +1,248 @@
+"""TensorRT backend: run(input_ids, attention_mask, position_ids, cache) -> (logits, cache), with the KV
+cache on the GPU between steps.
+
+    manifest engine facts ─> check_host (TensorRT version, compute capability) ─> deserialize ─> context
+    each step: pick_profile(shapes) ─> set shapes ─> past = cache buffers, present = spare buffers
+               ─> execute_async_v3 ─> logits to host; swap the buffers
+
+The engine's KV inputs carry one leading masked slot (compiler/tensorrt_build.py), so past is 1 at
+prefill and a profile never needs a zero-length dimension. Each cache holds two buffers per KV
+tensor sized for its capacity: the graph reads past from one and writes present (past + new) into
+the other, and they swap, so no step allocates or copies the cache.
+
+Device memory goes through Polygraphy's CUDA wrapper (ctypes over libcudart), never torch. Importing
+this module needs neither TensorRT nor a GPU; constructing a backend without them fails with one line.
+
+Not run on hardware by this project: no machine it runs on has TensorRT (see README).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .backend import expand, with_leading_slot
+from .errors import IncompatibleArtifact, KilnError
+
+
+class ShapeOutsideProfiles(KilnError):
+    """A step's shapes fit none of the engine's optimization profiles."""
+
+
+# -- pure checks (tested on any machine) ----------------------------------------------------------
+
+def _version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
+
+
+def check_host(engine: dict[str, Any], tensorrt_version: str, compute_capability: str, gpu: str = "") -> None:
+    """Refuse an engine this host cannot run, naming the engine's value and the host's."""
+    built, here = _version_tuple(engine["tensorrt_version"]), _version_tuple(tensorrt_version)
+    if engine.get("version_compatible"):  # runs on its own release and later ones (10.x engines on 11 too)
+        if here < built:
+            raise IncompatibleArtifact(
+                f"engine built with TensorRT {engine['tensorrt_version']} (version-compatible: that release or "
+                f"later), this host has TensorRT {tensorrt_version}; upgrade TensorRT here or rebuild")
+    elif here != built:  # compared to the patch release; the build number may differ
+        raise IncompatibleArtifact(
+            f"engine built with TensorRT {engine['tensorrt_version']}, this host has TensorRT {tensorrt_version}; "
+            "rebuild it here or build with engine.version_compatible: true")
+    cc_built, cc_here = _version_tuple(engine["compute_capability"]), _version_tuple(compute_capability)
+    level = engine.get("hardware_compatibility", "none")
+    fits = cc_here >= (8, 0) if level == "ampere_plus" else cc_here == cc_built
+    if not fits:
+        wanted = "8.0 or newer (ampere_plus)" if level == "ampere_plus" else engine["compute_capability"]
+        this_gpu = f"this GPU ({gpu})" if gpu else "this GPU"
+        raise IncompatibleArtifact(
+            f"engine built for compute capability {wanted} ({engine.get('gpu', '?')}), {this_gpu} is "
+            f"{compute_capability}; rebuild it here or build with engine.hardware_compatibility: ampere_plus")
+
+
+def pick_profile(profiles: list[dict[str, Any]], shapes: dict[str, tuple[int, ...]]) -> int:
+    """The first profile whose ranges hold every input shape; else one line naming what does not fit."""
+    misses = []
+    for index, profile in enumerate(profiles):
+        miss = _first_miss(profile, shapes)
+        if miss is None:
+            return index
+        misses.append(miss)
+    raise ShapeOutsideProfiles("no engine profile takes this step: " + "; ".join(misses)
+                               + " (rebuild with wider variants.profiles)")
+
+
+def _first_miss(profile: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> str | None:
+    for name, shape in shapes.items():
+        low, _, high = profile["shapes"][name]
+        for axis, (size, lo, hi) in enumerate(zip(shape, low, high, strict=True)):
+            if not lo <= size <= hi:
+                return f"{profile['name']}: {name} dim {axis} is {size}, allowed {lo}..{hi}"
+    return None
+
+
+# -- the backend (needs TensorRT, a GPU and Polygraphy) -------------------------------------------
+
+def _import_tensorrt() -> tuple[Any, Any]:
+    try:
+        import tensorrt as trt
+        from polygraphy import cuda
+    except ImportError as exc:
+        raise IncompatibleArtifact(
+            f"this variant is a TensorRT engine and this host cannot run it ({exc.name or exc} is not installed); "
+            "install kiln[tensorrt] on a host with an NVIDIA GPU, or run an onnxruntime variant") from None
+    return trt, cuda
+
+
+def host_gpu() -> tuple[str, str]:
+    """(GPU name, compute capability) of device 0 through cuda-python, without torch."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        from cuda import cudart  # cuda-python before 12.6
+    error, props = cudart.cudaGetDeviceProperties(0)
+    if error != cudart.cudaError_t.cudaSuccess:
+        raise IncompatibleArtifact(f"no usable NVIDIA GPU on this host (cudaGetDeviceProperties: {error})")
+    name = props.name.decode(errors="replace").rstrip("\0") if isinstance(props.name, bytes) else str(props.name)
+    return name, f"{props.major}.{props.minor}"
+
+
+class TensorRTBackend:
+    def __init__(self, folder: Path, entry: dict[str, Any], verified: bool) -> None:
+        trt, cuda = _import_tensorrt()
+        engine_facts = entry["engine"]
+        gpu, capability = host_gpu()
+        check_host(engine_facts, trt.__version__, capability, gpu)
+        self.trt, self.cuda = trt, cuda
+        self.logger = trt.Logger(trt.Logger.WARNING)
+        self.runtime = trt.Runtime(self.logger)
+        # Host code inside an engine (version-compatible engines ship a lean runtime) runs with this
+        # process's rights: only for engines that need it, from an artifact whose hashes were checked.
+        self.runtime.engine_host_code_allowed = bool(engine_facts.get("version_compatible")) and verified
+        self.engine = self.runtime.deserialize_cuda_engine((folder / engine_facts["file"]).read_bytes())
+        if self.engine is None:
+            raise IncompatibleArtifact(
+                f"TensorRT {trt.__version__} could not deserialize {engine_facts['file']} (built with TensorRT "
+                f"{engine_facts['tensorrt_version']} for compute capability {engine_facts['compute_capability']}; "
+                f"this GPU is {capability})")
+        self.context = self.engine.create_execution_context()
+        self.stream = cuda.Stream()
+        interface = entry["interface"]
+        self.profiles = _read_json(folder / Path(engine_facts["file"]).parent / engine_facts["profiles_file"])
+        if self.engine.num_optimization_profiles != len(self.profiles):
+            raise IncompatibleArtifact(
+                f"{engine_facts['file']} has {self.engine.num_optimization_profiles} optimization profiles, its "
+                f"profiles file {len(self.profiles)}; the artifact is inconsistent, rebuild it")
+        self.past_names = expand(interface["inputs"][3:], interface["layers"])
+        self.present_names = expand(interface["outputs"][1:], interface["layers"])
+        self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
+        self.vocab_size = interface["vocab_size"]
+        self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
+        by_name = {p["name"]: p["shapes"] for p in self.profiles}
+        self.max_batch_size = by_name["decode"]["input_ids"][2][0]
+        self.max_prompt = by_name["prefill"]["input_ids"][2][1]
+        self.max_context = by_name["decode"]["attention_mask"][2][1] - 1  # less the leading slot
+        self.profile_index: int | None = None
+        self.logits = cuda.DeviceArray(shape=(1,), dtype=device_dtype(np.float32))
+
+    def new_cache(self, batch: int, capacity: int) -> _EngineCache:
+        return _EngineCache.zeros(self.cuda, batch, len(self.past_names), self.kv_heads, capacity + 1,
+                                  self.head_dim, self.kv_dtype, self.stream)
+
+    def keep_rows(self, cache: _EngineCache, rows: list[int]) -> _EngineCache:
+        """Rows leave the batch rarely (a finished request): a round trip through the host is fine."""
+        kept = _EngineCache.zeros(self.cuda, len(rows), len(self.past_names), self.kv_heads, cache.capacity,
+                                  self.head_dim, self.kv_dtype, self.stream)
+        for source, target in zip(cache.current, kept.current, strict=True):
+            host = source.view(shape=cache.shape(cache.length), dtype=device_dtype(self.kv_dtype)).copy_to(
+                np.empty(cache.shape(cache.length), self.kv_dtype), self.stream)
+            self.stream.synchronize()
+            target.copy_from(np.ascontiguousarray(host[rows]), self.stream)
+        kept.length = cache.length
+        cache.free()
+        return kept
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            cache: _EngineCache) -> tuple[np.ndarray, _EngineCache]:
+        batch, seq = input_ids.shape
+        mask = with_leading_slot(attention_mask)
+        past = cache.length
+        if past + seq > cache.capacity:
+            raise ValueError(f"{past + seq} slots do not fit the KV buffers' {cache.capacity}")
+        shapes = {"input_ids": input_ids.shape, "attention_mask": mask.shape, "position_ids": position_ids.shape}
+        shapes.update({name: cache.shape(past) for name in self.past_names})
+        index = pick_profile(self.profiles, shapes)
+        if index != self.profile_index:
+            self.context.set_optimization_profile_async(index, self.stream.ptr)
+            self.profile_index = index
+        inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
+        staged = []  # device copies of this step's small inputs, freed after the step
+        for name, array in inputs.items():
+            device = self.cuda.DeviceArray(shape=array.shape, dtype=device_dtype(np.int64))
+            device.copy_from(np.ascontiguousarray(array, np.int64), self.stream)
+            staged.append(device)
+            self.context.set_input_shape(name, array.shape)
+            self.context.set_tensor_address(name, device.ptr)
+        for name, buffer in zip(self.past_names, cache.current, strict=True):
+            self.context.set_input_shape(name, cache.shape(past))
+            self.context.set_tensor_address(name, buffer.ptr)
+        for name, buffer in zip(self.present_names, cache.spare, strict=True):
+            self.context.set_tensor_address(name, buffer.ptr)
+        logits_shape = tuple(self.context.get_tensor_shape("logits"))
+        self.logits.resize(logits_shape)
+        self.context.set_tensor_address("logits", self.logits.ptr)
+        if not self.context.execute_async_v3(self.stream.ptr):
+            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+        logits = self.logits.copy_to(np.empty(logits_shape, np.float32), self.stream)
+        self.stream.synchronize()
+        for device in staged:
+            device.free()
+        cache.swap(past + seq)
+        return logits, cache
+
+
+class _EngineCache:
+    """Per KV tensor two device buffers of [batch, kv_heads, capacity, head_dim]: `current` holds the
+    cache (as a [batch, kv_heads, length, head_dim] tensor at its start), `spare` receives present."""
+
+    def __init__(self, current: list, spare: list, batch: int, kv_heads: int, capacity: int, head_dim: int) -> None:
+        self.current, self.spare = current, spare
+        self.batch, self.kv_heads, self.capacity, self.head_dim = batch, kv_heads, capacity, head_dim
+        self.length = 1  # the leading masked slot
+
+    @classmethod
+    def zeros(cls, cuda: Any, batch: int, count: int, kv_heads: int, capacity: int, head_dim: int, dtype: Any,
+              stream: Any) -> _EngineCache:
+        full = (batch, kv_heads, capacity, head_dim)
+        buffers = [[cuda.DeviceArray(shape=full, dtype=device_dtype(dtype)) for _ in range(count)] for _ in range(2)]
+        slot = np.zeros((batch, kv_heads, 1, head_dim), dtype)
+        for buffer in buffers[0]:
+            buffer.view(shape=slot.shape, dtype=device_dtype(dtype)).copy_from(slot, stream)
+        stream.synchronize()
+        return cls(buffers[0], buffers[1], batch, kv_heads, capacity, head_dim)
+
+    def shape(self, length: int) -> tuple[int, int, int, int]:
+        return (self.batch, self.kv_heads, length, self.head_dim)
+
+    def swap(self, length: int) -> None:
+        self.current, self.spare = self.spare, self.current
+        self.length = length
+
+    def free(self) -> None:
+        for buffer in (*self.current, *self.spare):
+            buffer.free()
+
+
+def device_dtype(dtype: Any) -> Any:
+    """Polygraphy's own DataType where it has one (numpy dtypes are deprecated there since 0.50)."""
+    try:
+        from polygraphy.datatype import DataType
+    except ImportError:
+        return np.dtype(dtype)
+    return DataType.from_dtype(np.dtype(dtype))
+
+
+def _read_json(path: Path) -> Any:
+    import json
+
+    return json.loads(path.read_text())
