@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from runtime.backend import open_backend
+
 from .accuracy import Inputs, Run, measure, reference_run, text_rows
 from .compare import Side, assemble, eager_side, graph_backend
 from .errors import GateFailure, OutputError, RecipeError
@@ -161,14 +163,18 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         check_finite(graph, calibration, variant.name)
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
-    # The same A/B report compare-model writes, eager torch as A: reports/<variant>.{json,md,html}.
-    backend = graph_backend(graph.model_path, graph.interface)
-    candidate = dataclasses.replace(eager, label=f"{recipe.name}:{variant.name}", backend=backend,
-                                    description=f"{variant.name} ({_describe(variant)}), ONNX Runtime CPU")
     gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
-    comparison = assemble(eager, candidate, data.inputs, data.prompts, gates,
-                          measure(backend, data.inputs, reference))
-    write_report(comparison, staging / "reports", stem=variant.name)
+
+    def against_eager(backend: Any, stem: str, runs_on: str) -> dict[str, Any]:
+        """The same A/B report compare-model writes, eager torch as A: reports/<stem>.{json,md,html}."""
+        candidate = dataclasses.replace(eager, label=f"{recipe.name}:{variant.name}", backend=backend,
+                                        description=f"{variant.name} ({_describe(variant)}), {runs_on}")
+        comparison = assemble(eager, candidate, data.inputs, data.prompts, gates,
+                              measure(backend, data.inputs, reference))
+        write_report(comparison, staging / "reports", stem=stem)
+        return comparison
+
+    comparison = against_eager(graph_backend(graph.model_path, graph.interface), variant.name, "ONNX Runtime CPU")
     metrics, failures = comparison["summary"], comparison["failed_gates"]
     log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
              f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
@@ -185,13 +191,14 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if failures:
         return {**entry, **summary, "status": "failed", "failed_gates": failures}
     if variant.target == "tensorrt":
-        return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log)}
+        return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
     return {**entry, **summary, "status": "built"}
 
 
-def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path,
-            log: StageLog) -> dict[str, Any]:
-    """Build the variant's engine beside its graph, or record why this host cannot."""
+def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path, log: StageLog,
+            against_eager: Any) -> dict[str, Any]:
+    """Build the variant's engine beside its graph and hold the engine itself to the gates
+    (reports/<variant>-engine.*), or record why this host cannot build it."""
     ranges = variant.profiles or default_profiles(recipe.export.max_context)
     profiles = engine_profiles(ranges, graph.interface)
     write_json(folder / PROFILES_FILE, profiles)
@@ -204,8 +211,14 @@ def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe,
         log.note(f"engine skipped: {exc}")
         return {"status": "skipped", "reason": str(exc), "profiles": ranges.model_dump()}
     log.note(f"engine built in {engine['build_seconds']} s on {engine['gpu']} (TensorRT {engine['tensorrt_version']})")
-    return {"status": "built", "engine": {**engine, "file": f"variants/{variant.name}/{engine['file']}"},
-            "profiles": ranges.model_dump()}
+    facts = {**engine, "file": f"variants/{variant.name}/{engine['file']}"}
+    backend = open_backend(folder.parents[1], {"engine": facts, "interface": graph.interface})
+    comparison = against_eager(backend, f"{variant.name}-engine", f"TensorRT engine on {engine['gpu']}")
+    built = {"engine": facts, "profiles": ranges.model_dump(), "engine_accuracy": comparison["summary"]}
+    if comparison["failed_gates"]:
+        log.note(f"engine FAILED {', '.join(comparison['failed_gates'])}")
+        return {**built, "status": "failed", "failed_gates": comparison["failed_gates"]}
+    return {**built, "status": "built"}
 
 
 def _manifest_sections(recipe: Recipe, checkpoint: Checkpoint, exported: OnnxArtifact, validation: dict,

@@ -120,6 +120,7 @@ def build_engine(model_path: Path, interface: dict[str, Any], profiles: list[dic
 
     folder.mkdir(parents=True, exist_ok=True)
     logger = _collecting_logger(trt)
+    logger.lines.clear()
     builder = trt.Builder(logger)
     # TensorRT 10: strong typing is opt-in; 11: always on (the flag is accepted and ignored).
     strongly_typed = getattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED", None)
@@ -189,8 +190,16 @@ def _write_log(folder: Path, logger: Any) -> None:
     (folder / LOG_FILE).write_text("\n".join(logger.lines) + "\n")
 
 
+_LOGGER: Any = None
+
+
 def _collecting_logger(trt: Any) -> Any:
-    """A trt.ILogger that keeps every message for build.log (defined here: trt is imported late)."""
+    """One trt.ILogger per process that keeps INFO and worse for build.log: TensorRT uses the first
+    logger it is given until every builder and runtime is gone, and a Python logger also receives
+    VERBOSE (tactic by tactic) unless it filters."""
+    global _LOGGER
+    if _LOGGER is not None:
+        return _LOGGER
 
     class Logger(trt.ILogger):
         def __init__(self) -> None:
@@ -198,10 +207,13 @@ def _collecting_logger(trt: Any) -> Any:
             self.lines: list[str] = []
 
         def log(self, severity: Any, msg: str) -> None:
+            if severity > trt.ILogger.Severity.INFO:  # VERBOSE sorts after INFO
+                return
             self.lines.append(f"[{getattr(severity, 'name', severity)}] {msg}")
 
         def last_error(self) -> str | None:
             errors = [line for line in self.lines if "ERROR" in line.split("]")[0]]
             return errors[-1] if errors else None
 
-    return Logger()
+    _LOGGER = Logger()
+    return _LOGGER

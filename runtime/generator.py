@@ -70,6 +70,8 @@ class Generator:
         model = artifact.manifest["model"]
         self.max_context = min(model["max_context"], getattr(backend, "max_context", model["max_context"]))
         self.max_prompt = getattr(backend, "max_prompt", self.max_context - 1)
+        # An engine bounds the batch's padded width too (its decode profile), not only each row's length.
+        self.max_width = getattr(backend, "max_context", None)
         self.eos_ids = set(model["eos_token_ids"]) | set(_generation_eos(artifact.tokenizer_dir))
         self.pad_id = min(self.eos_ids, default=0)  # any valid id: pads are masked out
 
@@ -156,7 +158,8 @@ class Generator:
         logits, cache = self.backend.run(input_ids, mask, positions, cache)
         while rows:
             tokens = [self._pick(row, logits[i, -1]) for i, row in enumerate(rows)]
-            events = [self._advance(row, token) for row, token in zip(rows, tokens, strict=True)]
+            full = self.max_width is not None and mask.shape[1] >= self.max_width
+            events = [self._advance(row, token, full) for row, token in zip(rows, tokens, strict=True)]
             yield from events
             keep = [i for i, e in enumerate(events) if e.finish_reason is None]
             if len(keep) < len(rows):
@@ -175,7 +178,7 @@ class Generator:
             else np.empty(0, np.int64)
         return next_token(logits, history, row.params, row.rng)
 
-    def _advance(self, row: _Row, token: int) -> Event:
+    def _advance(self, row: _Row, token: int, full: bool = False) -> Event:
         result = row.result
         now = time.perf_counter()
         if result.time_to_first_token_s is None:
@@ -183,7 +186,7 @@ class Generator:
         result.token_ids.append(token)
         result.generated_tokens = len(result.token_ids)
         text = self.tokenizer.decode(result.token_ids)
-        finish = self._finish_reason(row, token, text)
+        finish = self._finish_reason(row, token, text) or ("length" if full else None)
         if finish == "stop":
             text = _cut_at_stop(text, row.params.stop)
         result.text = text

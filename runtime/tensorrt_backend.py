@@ -33,6 +33,9 @@ class ShapeOutsideProfiles(KilnError):
 
 # -- pure checks (tested on any machine) ----------------------------------------------------------
 
+CROSS_MAJOR = {(8, 10), (10, 11)}  # (built with, runs on) for version-compatible engines
+
+
 def _version_tuple(version: str) -> tuple[int, ...]:
     return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
 
@@ -40,11 +43,12 @@ def _version_tuple(version: str) -> tuple[int, ...]:
 def check_host(engine: dict[str, Any], tensorrt_version: str, compute_capability: str, gpu: str = "") -> None:
     """Refuse an engine this host cannot run, naming the engine's value and the host's."""
     built, here = _version_tuple(engine["tensorrt_version"]), _version_tuple(tensorrt_version)
-    if engine.get("version_compatible"):  # runs on its own release and later ones (10.x engines on 11 too)
-        if here < built:
+    if engine.get("version_compatible"):
+        # Later releases of the same major run it, and across majors 8 -> 10 and 10 -> 11 (support matrix).
+        if here < built or (here[0] != built[0] and (built[0], here[0]) not in CROSS_MAJOR):
             raise IncompatibleArtifact(
-                f"engine built with TensorRT {engine['tensorrt_version']} (version-compatible: that release or "
-                f"later), this host has TensorRT {tensorrt_version}; upgrade TensorRT here or rebuild")
+                f"engine built with TensorRT {engine['tensorrt_version']} (version-compatible: that release or a "
+                f"later one it supports), this host has TensorRT {tensorrt_version}; rebuild it for this release")
     elif here != built:  # compared to the patch release; the build number may differ
         raise IncompatibleArtifact(
             f"engine built with TensorRT {engine['tensorrt_version']}, this host has TensorRT {tensorrt_version}; "
@@ -84,22 +88,33 @@ def _first_miss(profile: dict[str, Any], shapes: dict[str, tuple[int, ...]]) -> 
 # -- the backend (needs TensorRT, a GPU and Polygraphy) -------------------------------------------
 
 def _import_tensorrt() -> tuple[Any, Any]:
+    advice = "install kiln[tensorrt] on a host with an NVIDIA GPU, or run an onnxruntime variant"
     try:
         import tensorrt as trt
         from polygraphy import cuda
+
+        _cudart()
     except ImportError as exc:
-        raise IncompatibleArtifact(
-            f"this variant is a TensorRT engine and this host cannot run it ({exc.name or exc} is not installed); "
-            "install kiln[tensorrt] on a host with an NVIDIA GPU, or run an onnxruntime variant") from None
+        raise IncompatibleArtifact(f"this variant is a TensorRT engine and this host cannot run it "
+                                   f"({exc.name or exc} is not installed); {advice}") from None
+    except Exception as exc:  # PyPI's placeholder wheels fail at import with their own errors
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise IncompatibleArtifact(f"this variant is a TensorRT engine and TensorRT does not load here ({first}); "
+                                   f"{advice}") from None
     return trt, cuda
 
 
-def host_gpu() -> tuple[str, str]:
-    """(GPU name, compute capability) of device 0 through cuda-python, without torch."""
+def _cudart() -> Any:
     try:
         from cuda.bindings import runtime as cudart
     except ImportError:
         from cuda import cudart  # cuda-python before 12.6
+    return cudart
+
+
+def host_gpu() -> tuple[str, str]:
+    """(GPU name, compute capability) of device 0 through cuda-python, without torch."""
+    cudart = _cudart()
     error, props = cudart.cudaGetDeviceProperties(0)
     if error != cudart.cudaError_t.cudaSuccess:
         raise IncompatibleArtifact(f"no usable NVIDIA GPU on this host (cudaGetDeviceProperties: {error})")
@@ -120,6 +135,10 @@ class TensorRTBackend:
         # process's rights: only for engines that need it, from an artifact whose hashes were checked.
         self.runtime.engine_host_code_allowed = bool(engine_facts.get("version_compatible")) and verified
         self.engine = self.runtime.deserialize_cuda_engine((folder / engine_facts["file"]).read_bytes())
+        if self.engine is None and engine_facts.get("version_compatible") and not verified:
+            raise IncompatibleArtifact(
+                "a version-compatible engine runs its own host code, which is allowed only for a verified "
+                "artifact; load it without --no-verify")
         if self.engine is None:
             raise IncompatibleArtifact(
                 f"TensorRT {trt.__version__} could not deserialize {engine_facts['file']} (built with TensorRT "
@@ -153,11 +172,14 @@ class TensorRTBackend:
         """Rows leave the batch rarely (a finished request): a round trip through the host is fine."""
         kept = _EngineCache.zeros(self.cuda, len(rows), len(self.past_names), self.kv_heads, cache.capacity,
                                   self.head_dim, self.kv_dtype, self.stream)
+        pending = []  # host arrays stay alive until the stream has copied them
         for source, target in zip(cache.current, kept.current, strict=True):
             host = source.view(shape=cache.shape(cache.length), dtype=device_dtype(self.kv_dtype)).copy_to(
                 np.empty(cache.shape(cache.length), self.kv_dtype), self.stream)
             self.stream.synchronize()
-            target.copy_from(np.ascontiguousarray(host[rows]), self.stream)
+            pending.append(np.ascontiguousarray(host[rows]))
+            target.copy_from(pending[-1], self.stream)
+        self.stream.synchronize()
         kept.length = cache.length
         cache.free()
         return kept
@@ -173,32 +195,38 @@ class TensorRTBackend:
         shapes.update({name: cache.shape(past) for name in self.past_names})
         index = pick_profile(self.profiles, shapes)
         if index != self.profile_index:
-            self.context.set_optimization_profile_async(index, self.stream.ptr)
+            if not self.context.set_optimization_profile_async(index, self.stream.ptr):
+                raise RuntimeError(f"TensorRT refused optimization profile {index}")
             self.profile_index = index
         inputs = {"input_ids": input_ids, "attention_mask": mask, "position_ids": position_ids}
-        staged = []  # device copies of this step's small inputs, freed after the step
-        for name, array in inputs.items():
-            device = self.cuda.DeviceArray(shape=array.shape, dtype=device_dtype(np.int64))
-            device.copy_from(np.ascontiguousarray(array, np.int64), self.stream)
-            staged.append(device)
-            self.context.set_input_shape(name, array.shape)
-            self.context.set_tensor_address(name, device.ptr)
-        for name, buffer in zip(self.past_names, cache.current, strict=True):
-            self.context.set_input_shape(name, cache.shape(past))
-            self.context.set_tensor_address(name, buffer.ptr)
-        for name, buffer in zip(self.present_names, cache.spare, strict=True):
-            self.context.set_tensor_address(name, buffer.ptr)
-        logits_shape = tuple(self.context.get_tensor_shape("logits"))
-        self.logits.resize(logits_shape)
-        self.context.set_tensor_address("logits", self.logits.ptr)
-        if not self.context.execute_async_v3(self.stream.ptr):
-            raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
-        logits = self.logits.copy_to(np.empty(logits_shape, np.float32), self.stream)
-        self.stream.synchronize()
-        for device in staged:
-            device.free()
+        staged, hosts = [], []  # this step's small inputs on the device, and their host arrays until the sync
+        try:
+            for name, array in inputs.items():
+                hosts.append(np.ascontiguousarray(array, np.int64))
+                staged.append(self.cuda.DeviceArray(shape=array.shape, dtype=device_dtype(np.int64)))
+                staged[-1].copy_from(hosts[-1], self.stream)
+                self._bind_input(name, array.shape, staged[-1].ptr)
+            for name, buffer in zip(self.past_names, cache.current, strict=True):
+                self._bind_input(name, cache.shape(past), buffer.ptr)
+            for name, buffer in zip(self.present_names, cache.spare, strict=True):
+                self.context.set_tensor_address(name, buffer.ptr)
+            logits_shape = tuple(self.context.get_tensor_shape("logits"))
+            self.logits.resize(logits_shape)
+            self.context.set_tensor_address("logits", self.logits.ptr)
+            if not self.context.execute_async_v3(self.stream.ptr):
+                raise RuntimeError("TensorRT execute_async_v3 failed (see the TensorRT log above)")
+            logits = self.logits.copy_to(np.empty(logits_shape, np.float32), self.stream)
+            self.stream.synchronize()
+        finally:
+            for device in staged:
+                device.free()
         cache.swap(past + seq)
         return logits, cache
+
+    def _bind_input(self, name: str, shape: tuple[int, ...], pointer: int) -> None:
+        if not self.context.set_input_shape(name, shape):
+            raise RuntimeError(f"TensorRT refused shape {shape} for {name}")
+        self.context.set_tensor_address(name, pointer)
 
 
 class _EngineCache:
@@ -216,8 +244,8 @@ class _EngineCache:
         full = (batch, kv_heads, capacity, head_dim)
         buffers = [[cuda.DeviceArray(shape=full, dtype=device_dtype(dtype)) for _ in range(count)] for _ in range(2)]
         slot = np.zeros((batch, kv_heads, 1, head_dim), dtype)
-        for buffer in buffers[0]:
-            buffer.view(shape=slot.shape, dtype=device_dtype(dtype)).copy_from(slot, stream)
+        for buffer in buffers[0]:  # copy_from fills the start of the buffer: the [b, h, 1, d] slot tensor
+            buffer.copy_from(slot, stream)
         stream.synchronize()
         return cls(buffers[0], buffers[1], batch, kv_heads, capacity, head_dim)
 
@@ -229,8 +257,13 @@ class _EngineCache:
         self.length = length
 
     def free(self) -> None:
+        """Once, from keep_rows or when the cache is dropped (a stream abandoned, an error mid-batch)."""
         for buffer in (*self.current, *self.spare):
             buffer.free()
+        self.current, self.spare = [], []
+
+    def __del__(self) -> None:
+        self.free()
 
 
 def device_dtype(dtype: Any) -> Any:

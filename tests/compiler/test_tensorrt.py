@@ -122,8 +122,10 @@ def test_host_checks_name_both_values():
         check_host(ENGINE, "10.13.0.35", "8.9")  # an engine for one architecture only
     portable = {**ENGINE, "version_compatible": True, "hardware_compatibility": "ampere_plus"}
     check_host(portable, "11.4.0.106", "8.9")  # later TensorRT, newer GPU
-    with pytest.raises(IncompatibleArtifact, match="version-compatible: that release or later"):
+    with pytest.raises(IncompatibleArtifact, match="version-compatible: that release or a later one"):
         check_host(portable, "10.12.0.1", "8.6")
+    with pytest.raises(IncompatibleArtifact, match="this host has TensorRT 12.0.0"):
+        check_host(portable, "12.0.0", "8.6")  # across majors only 8 -> 10 and 10 -> 11
     with pytest.raises(IncompatibleArtifact, match=r"8\.0 or newer \(ampere_plus\)"):
         check_host(portable, "11.4.0.106", "7.5")
 
