@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,14 +60,24 @@ class Artifact:
         return artifact
 
     def verify(self) -> None:
+        """Every listed file's size and sha256. A file hashed before is trusted again while its size,
+        mtime (ns), inode and device are unchanged (the cache lives in ~/.cache/kiln, not in the
+        artifact); a changed file is hashed again."""
+        cache = _HashCache.load()
         for relative, entry in self.manifest["files"].items():
             path = self.folder / relative
             if not path.is_file():
                 raise ArtifactError(f"{self.folder}: file {relative} listed in the manifest is missing")
-            if path.stat().st_size != entry["size"]:
+            stat = path.stat()
+            if stat.st_size != entry["size"]:
                 raise ArtifactError(f"{self.folder}: file {relative} has the wrong size (modified after compile)")
-            if sha256_file(path) != entry["sha256"]:
-                raise ArtifactError(f"{self.folder}: file {relative} fails its sha256 check (modified after compile)")
+            if cache.get(path, stat) != entry["sha256"]:
+                digest = sha256_file(path)
+                if digest != entry["sha256"]:
+                    raise ArtifactError(
+                        f"{self.folder}: file {relative} fails its sha256 check (modified after compile)")
+                cache.put(path, stat, digest)
+        cache.save()
 
     def variant(self, name: str | None = None) -> dict[str, Any]:
         """A built variant's manifest entry; without a name, the first one built. A variant that missed
@@ -92,3 +103,43 @@ class Artifact:
     @property
     def tokenizer_dir(self) -> Path:
         return self.folder / "tokenizer"
+
+
+class _HashCache:
+    """{absolute path: [size, mtime_ns, inode, device, sha256]} of files hashed before."""
+
+    def __init__(self, path: Path, entries: dict[str, list]) -> None:
+        self.path, self.entries, self.changed = path, entries, False
+
+    @classmethod
+    def load(cls) -> _HashCache:
+        root = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        path = root / "kiln" / "verified-files.json"
+        try:
+            entries = json.loads(path.read_text())
+        except (OSError, ValueError):
+            entries = {}
+        return cls(path, entries if isinstance(entries, dict) else {})
+
+    @staticmethod
+    def _key(stat: os.stat_result) -> list:
+        return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev]
+
+    def get(self, path: Path, stat: os.stat_result) -> str | None:
+        entry = self.entries.get(str(path.resolve()))
+        return entry[4] if isinstance(entry, list) and entry[:4] == self._key(stat) else None
+
+    def put(self, path: Path, stat: os.stat_result, digest: str) -> None:
+        self.entries[str(path.resolve())] = [*self._key(stat), digest]
+        self.changed = True
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        try:  # a read-only home only costs the next load its hashing
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+            partial.write_text(json.dumps(self.entries))
+            os.replace(partial, self.path)
+        except OSError:
+            pass

@@ -89,3 +89,18 @@ def test_compare_reports_of_the_real_model(smollm2_artifact, tmp_path):
     report = json.loads((tmp_path / "report.json").read_text())
     assert [g.split()[0] for g in report["failed_gates"]] == ["top1_agreement"]
     assert 0.9 < report["summary"]["top1_agreement"] < 0.99
+
+
+def test_ship_the_real_model(smollm2_artifact, tmp_path):
+    """Pack (signed), install on a 'production' folder, and answer from it, as a user would."""
+    kiln = [sys.executable, "-m", "runtime.kiln_cli"]
+    run = lambda *args: subprocess.run([*kiln, *map(str, args)], cwd=ROOT, capture_output=True, text=True)  # noqa: E731
+    assert run("keygen", tmp_path / "release").returncode == 0
+    packed = run("pack", smollm2_artifact, "-o", tmp_path / "smollm2.kiln", "--sign-key", tmp_path / "release.key")
+    assert packed.returncode == 0, packed.stderr
+    installed = run("install", tmp_path / "smollm2.kiln", "--into", tmp_path / "srv", "--public-key",
+                    tmp_path / "release.pub", "--require-signature")
+    assert installed.returncode == 0, installed.stderr
+    answer = run("run", tmp_path / "srv" / "current", "--chat", "--max-new-tokens", "12",
+                 "--prompt", "What is the capital of France?")
+    assert answer.returncode == 0 and "Paris" in answer.stdout, answer.stdout + answer.stderr

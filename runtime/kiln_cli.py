@@ -1,0 +1,152 @@
+"""kiln: one command for everything.
+
+    kiln compile RECIPE ...        = compile-model (needs the compiler extra)
+    kiln compare A B ...           = compare-model (needs the compiler extra)
+    kiln run ARTIFACT ...          = run-model
+    kiln pack ARTIFACT -o NAME.kiln [--sign-key KEY]
+    kiln verify NAME.kiln|DIR [--public-key KEY] [--require-signature] [--variant V]
+    kiln install NAME.kiln --into DIR [--public-key KEY] [--require-signature] [--variant V]
+    kiln rollback --into DIR
+    kiln keygen NAME
+
+Exit codes: 0 done / verified; 1 refused (tampered, unsigned when a signature is required, does not
+fit this host, a corrupted or unsafe archive); 2 bad usage (missing file, unknown option).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from .errors import KilnError
+
+EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
+EXISTING = click.Path(exists=True, path_type=Path)
+
+
+def _fail(command: str, exc: KilnError) -> None:
+    click.echo(f"kiln {command}: error: {exc}", err=True)
+    sys.exit(1)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def kiln() -> None:
+    """Compile, compare, run and ship Kiln artifacts."""
+
+
+def _forward(name: str, module: str, attribute: str, help_text: str) -> None:
+    @kiln.command(name, help=help_text, add_help_option=False,
+                  context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
+    @click.argument("args", nargs=-1, type=click.UNPROCESSED)
+    def command(args: tuple[str, ...]) -> None:
+        import importlib
+
+        try:
+            target = getattr(importlib.import_module(module), attribute)
+        except ImportError as exc:
+            click.echo(f"kiln {name}: needs the compiler extra (pip install 'kiln[compiler,cpu]'): {exc}", err=True)
+            sys.exit(2)
+        target.main(args=list(args), prog_name=f"kiln {name}")
+
+
+_forward("compile", "compiler.cli", "main", "Compile a recipe (compile-model).")
+_forward("compare", "compiler.cli", "compare_main", "Compare two models (compare-model).")
+_forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
+
+
+@kiln.command()
+@click.argument("artifact", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The archive to write, e.g. smollm2.kiln.")
+@click.option("--sign-key", type=EXISTING_FILE, help="ed25519 private key (kiln keygen) to sign the manifest.")
+def pack(artifact: Path, output: Path, sign_key: Path | None) -> None:
+    """Pack an artifact folder into one deterministic .kiln file (tar + gzip)."""
+    from .ship import pack as pack_artifact
+
+    try:
+        path = pack_artifact(artifact, output, sign_key)
+    except KilnError as exc:
+        _fail("pack", exc)
+    click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB{', signed' if sign_key else ''})")
+
+
+@kiln.command()
+@click.argument("source", type=EXISTING)
+@click.option("--public-key", type=EXISTING_FILE, help="Check the manifest's signature with this ed25519 key.")
+@click.option("--require-signature", is_flag=True, help="Refuse an unsigned artifact (needs --public-key).")
+@click.option("--variant", help="Exit 1 unless this variant runs on this host [default: any variant].")
+def verify(source: Path, public_key: Path | None, require_signature: bool, variant: str | None) -> None:
+    """Verify a .kiln file or an artifact folder: integrity, signature, and what runs on this host."""
+    from .ship import check_integrity, host_fit, opened
+
+    try:
+        with opened(source) as folder:
+            notes = check_integrity(folder, public_key, require_signature)
+            import json
+
+            fits = host_fit(folder, json.loads((folder / "manifest.json").read_text()))
+    except KilnError as exc:
+        _fail("verify", exc)
+    for note in notes:
+        click.echo(f"ok  {note}")
+    rows = [("variant", "target", "needs", "this host", "runs here")]
+    rows += [(f.variant, f.target, f.needs, f.here, "yes" if f.fits else f"no: {f.reason}") for f in fits]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for row in rows:
+        click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[4])
+    wanted = [f for f in fits if variant is None or f.variant == variant]
+    if not any(f.fits for f in wanted):
+        which = f"variant {variant!r}" if variant else "no variant"
+        click.echo(f"kiln verify: {which} {'does not run' if variant else 'runs'} on this host", err=True)
+        sys.exit(1)
+
+
+@kiln.command()
+@click.argument("archive", type=EXISTING_FILE)
+@click.option("--into", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Install folder: versions/, current -> the new version, previous -> the one before.")
+@click.option("--public-key", type=EXISTING_FILE, help="Check the manifest's signature with this ed25519 key.")
+@click.option("--require-signature", is_flag=True, help="Refuse an unsigned archive (needs --public-key).")
+@click.option("--variant", help="Refuse unless this variant runs on this host [default: any variant].")
+def install(archive: Path, into: Path, public_key: Path | None, require_signature: bool,
+            variant: str | None) -> None:
+    """Unpack into a staging folder, verify, then atomically switch INTO/current to the new version."""
+    from .ship import install as install_archive
+
+    try:
+        version = install_archive(archive, into, public_key, require_signature, variant)
+    except KilnError as exc:
+        _fail("install", exc)
+    click.echo(f"{into / 'current'} -> {version}")
+
+
+@kiln.command()
+@click.option("--into", type=click.Path(exists=True, file_okay=False, path_type=Path), required=True)
+def rollback(into: Path) -> None:
+    """Point INTO/current back at the previous version."""
+    from .ship import rollback as roll_back
+
+    try:
+        version = roll_back(into)
+    except KilnError as exc:
+        _fail("rollback", exc)
+    click.echo(f"{into / 'current'} -> {version}")
+
+
+@kiln.command()
+@click.argument("name", type=click.Path(dir_okay=False, path_type=Path))
+def keygen(name: Path) -> None:
+    """Write NAME.key (private, mode 0600) and NAME.pub: an ed25519 key pair for signing artifacts."""
+    from .signing import keygen as make_keys
+
+    try:
+        private, public = make_keys(name)
+    except KilnError as exc:
+        _fail("keygen", exc)
+    click.echo(f"{private}\n{public}")
+
+
+if __name__ == "__main__":
+    kiln()

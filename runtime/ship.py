@@ -1,0 +1,440 @@
+"""Shipping an artifact to a production host: pack -> (copy) -> verify -> install -> rollback.
+
+    kiln pack ART -o NAME.kiln [--sign-key K]      one deterministic tar.gz, manifest.json first
+    kiln verify NAME.kiln|DIR [--public-key K]     integrity (schema, hashes, external data, signature)
+                                                   + a table of which variants fit this host
+    kiln install NAME.kiln --into DIR              unpack into DIR/.staging-*, verify, move to
+                                                   DIR/versions/<name>-<id>, then switch DIR/current
+    kiln rollback --into DIR                       current <-> previous
+
+Nothing from an archive is trusted before it is checked: members are read in order and each must
+be a regular file the manifest lists, at a path inside the folder, of the size the manifest gives,
+with the manifest's sha256. Links, devices, `..` and absolute paths are refused. ONNX files are
+parsed for external-data references (runtime/onnx_refs.py) before ONNX Runtime ever opens them.
+A refusal leaves the install folder exactly as it was.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import hashlib
+import json
+import os
+import shutil
+import tarfile
+import tempfile
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import Any, BinaryIO
+
+from .artifact import MANIFEST, SCHEMA_VERSION, Artifact
+from .errors import ArtifactError, IncompatibleArtifact, KilnError
+from .onnx_refs import MalformedModel, external_data
+from .signing import SIGNATURE_FILE, SignatureError, sign, verify_signature
+
+MAX_MANIFEST_BYTES = 64 << 20
+# onnxruntime release that first runs each ONNX opset (its release notes). Graphs with contrib ops
+# (fused GroupQueryAttention, RMSNorm, rotary; MatMulNBits) need the oldest release they were run on:
+# onnxruntime-gpu 1.31.1, the gpu extra, ran the fused fp32, int8 and int4 graphs of 1.32 builds.
+MIN_ONNXRUNTIME_FOR_OPSET = {17: (1, 13), 18: (1, 14), 19: (1, 16), 20: (1, 17), 21: (1, 18)}
+MIN_ONNXRUNTIME_FOR_CONTRIB_OPS = (1, 31)
+_CHUNK = 1 << 20
+
+
+class ArchiveError(KilnError):
+    """An archive is corrupted, truncated, or holds something it must not."""
+
+
+# -- pack -----------------------------------------------------------------------------------------
+
+def pack(folder: Path, out: Path, sign_key: Path | None = None) -> Path:
+    """One .kiln file (tar + gzip) of the artifact: the same inputs always give the same bytes."""
+    artifact = Artifact.open(folder)  # verified: never ship what does not match its own manifest
+    manifest = (folder / MANIFEST).read_bytes()
+    signature = sign(manifest, sign_key) if sign_key else _existing_signature(folder)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial")
+    try:
+        with open(partial, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
+                                                       compresslevel=1) as zipped, \
+                tarfile.open(fileobj=zipped, mode="w", format=tarfile.GNU_FORMAT) as tar:
+            _add(tar, MANIFEST, len(manifest), _bytes_reader(manifest))
+            if signature is not None:
+                _add(tar, SIGNATURE_FILE, len(signature), _bytes_reader(signature))
+            for relative in sorted(artifact.manifest["files"]):
+                path = folder / relative
+                with open(path, "rb") as handle:
+                    _add(tar, relative, path.stat().st_size, handle)
+        os.replace(partial, out)
+    finally:
+        partial.unlink(missing_ok=True)
+    return out
+
+
+def _existing_signature(folder: Path) -> bytes | None:
+    path = folder / SIGNATURE_FILE
+    return path.read_bytes() if path.is_file() else None
+
+
+def _bytes_reader(data: bytes) -> BinaryIO:
+    import io
+
+    return io.BytesIO(data)
+
+
+def _add(tar: tarfile.TarFile, name: str, size: int, handle: BinaryIO) -> None:
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, 0, 0o644, 0, 0, "", ""
+    tar.addfile(info, handle)
+
+
+# -- unpack ---------------------------------------------------------------------------------------
+
+def safe_relative(name: str) -> str | None:
+    """Why `name` may not be a path inside an artifact, or None if it may."""
+    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
+        return "an absolute path"
+    parts = PurePosixPath(name).parts
+    if ".." in parts:
+        return "a path that climbs out of its folder (..)"
+    if any(p in ("", ".") for p in name.split("/")):
+        return "a path with empty or '.' parts"
+    return None
+
+
+def unpack(archive: Path, dest: Path) -> dict[str, Any]:
+    """Extract `archive` into the empty folder `dest`, checking every member as it comes; returns
+    the manifest. Raises ArchiveError naming the first problem."""
+    try:
+        with tarfile.open(archive, mode="r|*") as tar:
+            return _unpack_members(archive, tar, dest)
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
+        raise ArchiveError(f"{archive}: corrupted or truncated archive ({exc or type(exc).__name__})") from None
+
+
+def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path) -> dict[str, Any]:
+    manifest: dict[str, Any] | None = None
+    expected: dict[str, dict[str, Any]] = {}
+    written: set[str] = set()
+    for member in tar:
+        name = member.name
+        if member.isdir():
+            continue  # folders are made for the files the manifest lists, never from the archive
+        problem = safe_relative(name)
+        if problem:
+            raise ArchiveError(f"{archive}: member {name!r} is {problem}; refused")
+        if member.issym() or member.islnk():
+            raise ArchiveError(f"{archive}: member {name!r} is a {'symbolic' if member.issym() else 'hard'} link; "
+                               "links are refused")
+        if not member.isreg():
+            raise ArchiveError(f"{archive}: member {name!r} is not a regular file; refused")
+        if manifest is None:
+            if name != MANIFEST:
+                raise ArchiveError(f"{archive}: the first member must be {MANIFEST}, found {name!r}")
+            manifest, expected, raw = _read_manifest(archive, tar, member)
+            dest.mkdir(parents=True, exist_ok=True)
+            (dest / MANIFEST).write_bytes(raw)
+            written.add(MANIFEST)
+            continue
+        if name in written:
+            raise ArchiveError(f"{archive}: member {name!r} appears twice; refused")
+        if name == SIGNATURE_FILE:
+            if member.size != 64:
+                raise ArchiveError(f"{archive}: {SIGNATURE_FILE} is {member.size} bytes, an ed25519 signature is 64")
+            _write(archive, tar, member, dest / name, None)
+        elif name not in expected:
+            raise ArchiveError(f"{archive}: member {name!r} is not listed in the manifest; refused")
+        else:
+            if member.size != expected[name]["size"]:
+                raise ArchiveError(f"{archive}: member {name!r} is {member.size} bytes, the manifest says "
+                                   f"{expected[name]['size']}; refused")
+            _write(archive, tar, member, dest / name, expected[name]["sha256"])
+        written.add(name)
+    if manifest is None:
+        raise ArchiveError(f"{archive}: empty archive (no {MANIFEST})")
+    missing = sorted(set(expected) - written)
+    if missing:
+        raise ArchiveError(f"{archive}: lacks {missing[0]}" + (f" and {len(missing) - 1} more" if missing[1:] else "")
+                           + " listed in the manifest (truncated?)")
+    return manifest
+
+
+def _read_manifest(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo) -> tuple[dict, dict, bytes]:
+    if member.size > MAX_MANIFEST_BYTES:
+        raise ArchiveError(f"{archive}: {MANIFEST} is {member.size} bytes; refused")
+    raw = tar.extractfile(member).read()
+    try:
+        manifest = json.loads(raw)
+        files = manifest["files"]
+        expected = {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ArchiveError(f"{archive}: {MANIFEST} is not a Kiln manifest ({exc})") from None
+    for name in expected:
+        problem = safe_relative(name)
+        if problem or name in (MANIFEST, SIGNATURE_FILE):
+            raise ArchiveError(f"{archive}: the manifest lists {name!r}, {problem or 'a reserved name'}; refused")
+    # gzip barely shrinks weights; an archive much larger than what it claims to hold is not ours
+    limit = sum(v["size"] for v in expected.values()) * 1.1 + member.size + (16 << 20)
+    size = archive.stat().st_size
+    if size > limit:
+        raise ArchiveError(f"{archive}: {size} bytes, far more than the {int(limit)} its manifest accounts for; "
+                           "refused")
+    return manifest, expected, raw
+
+
+def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, sha256: str | None) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    source = tar.extractfile(member)
+    digest = hashlib.sha256()
+    descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(descriptor, "wb") as handle:
+        while chunk := source.read(_CHUNK):
+            digest.update(chunk)
+            handle.write(chunk)
+    if sha256 is not None and digest.hexdigest() != sha256:
+        raise ArchiveError(f"{archive}: member {member.name!r} fails its sha256 check (corrupted or modified)")
+
+
+# -- verify ---------------------------------------------------------------------------------------
+
+def check_integrity(folder: Path, public_key: Path | None = None, require_signature: bool = False) -> list[str]:
+    """Schema, file list, hashes, external-data references, signature. Raises on the first problem;
+    returns notes on what was checked."""
+    artifact = Artifact.open(folder, verify=False)
+    files = artifact.manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise ArtifactError(f"{folder}: the manifest lists no files")
+    for name in files:
+        problem = safe_relative(name)
+        if problem:
+            raise ArtifactError(f"{folder}: the manifest lists {name!r}, {problem}")
+    _check_tree(folder, set(files))
+    artifact.verify()
+    notes = [f"schema {SCHEMA_VERSION}, {len(files)} files, sha256 and size of each"]
+    onnx_files = [name for name in files if name.endswith(".onnx")]
+    for name in onnx_files:
+        _check_external_data(folder, name, files)
+    notes.append(f"external data of {len(onnx_files)} ONNX file(s) inside the artifact and within its files")
+    notes.append(_check_signature(folder, public_key, require_signature))
+    return notes
+
+
+def _check_tree(folder: Path, listed: set[str]) -> None:
+    allowed = listed | {MANIFEST, SIGNATURE_FILE}
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(root) / name
+            relative = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                raise ArtifactError(f"{folder}: {relative} is a symbolic link; an artifact holds none")
+            if name in names and relative not in allowed:
+                raise ArtifactError(f"{folder}: file {relative} is not listed in the manifest")
+
+
+def _check_external_data(folder: Path, name: str, files: dict[str, Any]) -> None:
+    path = folder / name
+    try:
+        refs = external_data(path)
+    except MalformedModel as exc:
+        raise ArtifactError(f"{folder}: {name} is not a readable ONNX file ({exc})") from None
+    for ref in refs:
+        location = ref.get("location", "")
+        problem = safe_relative(location)
+        if problem:
+            raise ArtifactError(f"{folder}: {name} keeps tensors at {location!r}, {problem}; refused")
+        target = (PurePosixPath(name).parent / location).as_posix()
+        if target not in files:
+            raise ArtifactError(f"{folder}: {name} keeps tensors in {target}, which the manifest does not list")
+        try:
+            offset, length = int(ref.get("offset", 0)), int(ref.get("length", 0))
+        except ValueError:
+            raise ArtifactError(f"{folder}: {name} has a non-numeric external-data offset or length") from None
+        size = files[target]["size"]
+        if offset < 0 or length < 0 or offset + length > size:
+            raise ArtifactError(f"{folder}: {name} reads {target} at offset {offset} + length {length}, past its "
+                                f"{size} bytes; refused")
+
+
+def _check_signature(folder: Path, public_key: Path | None, require: bool) -> str:
+    path = folder / SIGNATURE_FILE
+    if public_key is None:
+        if require:
+            raise SignatureError("a signature is required: give --public-key")
+        return "signature present, not checked (no --public-key)" if path.is_file() else "not signed"
+    if not path.is_file():
+        raise SignatureError(f"{folder}: not signed, and --public-key asks for a signature")
+    verify_signature((folder / MANIFEST).read_bytes(), path.read_bytes(), public_key)
+    return f"signature verified with {public_key.name}"
+
+
+@dataclass
+class Fit:
+    variant: str
+    target: str
+    needs: str
+    here: str
+    fits: bool
+    reason: str = ""
+
+
+def host_fit(folder: Path, manifest: dict[str, Any]) -> list[Fit]:
+    """For every variant: what it needs from this host, what the host has, and whether it runs here."""
+    return [_fit(folder, name, entry, manifest) for name, entry in manifest["variants"].items()]
+
+
+def _fit(folder: Path, name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> Fit:
+    target = entry.get("target", "?")
+    if entry.get("status") != "built":
+        why = entry.get("reason") or ", ".join(entry.get("failed_gates", [])) or entry.get("status", "?")
+        return Fit(name, target, "-", "-", False, f"{entry.get('status')}: {why}")
+    if "engine" in entry:
+        return _engine_fit(name, entry["engine"])
+    opset = manifest.get("recipe", {}).get("export", {}).get("opset", 18)
+    needed = MIN_ONNXRUNTIME_FOR_OPSET.get(opset, (1, 18))
+    contrib = any(entry.get("fusions", {}).values()) or (entry.get("quantize") or {}).get("mode") in (
+        "int8-dynamic", "int4")
+    if contrib:
+        needed = max(needed, MIN_ONNXRUNTIME_FOR_CONTRIB_OPS)
+    needs = f"onnxruntime >= {'.'.join(map(str, needed))}" + (" (contrib ops)" if contrib else f" (opset {opset})")
+    try:
+        import onnxruntime
+    except ImportError:
+        return Fit(name, target, needs, "onnxruntime not installed", False, "install kiln[cpu] or kiln[gpu]")
+    here = _version(onnxruntime.__version__)
+    providers = ", ".join(p.removesuffix("ExecutionProvider") for p in onnxruntime.get_available_providers())
+    fits = here[:2] >= needed
+    return Fit(name, target, needs, f"onnxruntime {onnxruntime.__version__} ({providers})", fits,
+               "" if fits else "upgrade onnxruntime")
+
+
+def _engine_fit(name: str, engine: dict[str, Any]) -> Fit:
+    from .tensorrt_backend import check_host, host_gpu
+
+    needs = (f"TensorRT {engine['tensorrt_version']}{'+' if engine.get('version_compatible') else ''}, "
+             f"compute capability {engine['compute_capability']}"
+             + (" or newer (ampere_plus)" if engine.get("hardware_compatibility") == "ampere_plus" else ""))
+    try:
+        import tensorrt
+    except ImportError:
+        return Fit(name, "tensorrt", needs, "TensorRT not installed", False, "install kiln[tensorrt]")
+    try:
+        gpu, capability = host_gpu()
+        check_host(engine, tensorrt.__version__, capability, gpu)
+    except (IncompatibleArtifact, ImportError) as exc:
+        return Fit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}", False, str(exc))
+    return Fit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}, {gpu} ({capability})", True)
+
+
+def _version(text: str) -> tuple[int, ...]:
+    parts = []
+    for part in text.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
+@contextlib.contextmanager
+def opened(path: Path) -> Iterator[Path]:
+    """An artifact folder to check: the folder itself, or an archive unpacked (checked) into a temporary one."""
+    if path.is_dir():
+        yield path
+        return
+    if not path.is_file():
+        raise ArtifactError(f"{path}: no such artifact folder or .kiln file")
+    with tempfile.TemporaryDirectory(prefix="kiln-verify-") as temporary:
+        unpack(path, Path(temporary) / "artifact")
+        yield Path(temporary) / "artifact"
+
+
+# -- install and rollback -------------------------------------------------------------------------
+
+def install(archive: Path, into: Path, public_key: Path | None = None, require_signature: bool = False,
+            variant: str | None = None) -> Path:
+    """Unpack, verify and switch `into`/current to the new version; `into`/previous keeps the old one."""
+    if not archive.is_file():
+        raise ArtifactError(f"{archive}: no such .kiln file")
+    created = not into.exists()
+    into.mkdir(parents=True, exist_ok=True)
+    try:
+        with _locked(into):
+            return _install_locked(archive, into, public_key, require_signature, variant)
+    except BaseException:
+        if created:
+            shutil.rmtree(into, ignore_errors=True)
+        raise
+
+
+def _install_locked(archive: Path, into: Path, public_key: Path | None, require_signature: bool,
+                    variant: str | None) -> Path:
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=into))
+    try:
+        manifest = unpack(archive, staging / "artifact")
+        check_integrity(staging / "artifact", public_key, require_signature)
+        _require_fit(staging / "artifact", manifest, variant)
+        identity = hashlib.sha256((staging / "artifact" / MANIFEST).read_bytes()).hexdigest()[:12]
+        version = into / "versions" / f"{manifest.get('name', 'artifact')}-{identity}"
+        if not version.exists():
+            version.parent.mkdir(exist_ok=True)
+            os.rename(staging / "artifact", version)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    current = _link_target(into / "current")
+    if current != version:
+        _switch(into, "current", version)
+        if current is not None:
+            _switch(into, "previous", current)
+    return version
+
+
+def _require_fit(folder: Path, manifest: dict[str, Any], variant: str | None) -> None:
+    fits = host_fit(folder, manifest)
+    wanted = [f for f in fits if f.variant == variant] if variant else fits
+    if variant and not wanted:
+        names = ", ".join(f.variant for f in fits)
+        raise IncompatibleArtifact(f"the artifact has no variant {variant!r}; it has {names}")
+    if not any(f.fits for f in wanted):
+        reasons = "; ".join(f"{f.variant}: {f.reason}" for f in wanted)
+        raise IncompatibleArtifact(f"no variant of the artifact runs on this host ({reasons})")
+
+
+def rollback(into: Path) -> Path:
+    """Switch `into`/current back to `into`/previous (and previous to what was current)."""
+    with _locked(into):
+        current, previous = _link_target(into / "current"), _link_target(into / "previous")
+        if previous is None or not previous.is_dir():
+            raise ArtifactError(f"{into}: no previous version to roll back to")
+        _switch(into, "current", previous)
+        if current is not None:
+            _switch(into, "previous", current)
+        return previous
+
+
+def _link_target(link: Path) -> Path | None:
+    return (link.parent / os.readlink(link)).resolve() if link.is_symlink() else None
+
+
+def _switch(into: Path, name: str, target: Path) -> None:
+    """Point into/name at target in one step: a new link renamed over the old (rename is atomic)."""
+    temporary = into / f".{name}.{os.getpid()}"
+    temporary.unlink(missing_ok=True)
+    os.symlink(os.path.relpath(target, into), temporary)
+    os.replace(temporary, into / name)
+
+
+@contextlib.contextmanager
+def _locked(into: Path) -> Iterator[None]:
+    """One install or rollback at a time per folder; the folder itself is the lock (no lock file)."""
+    if not into.is_dir():
+        raise ArtifactError(f"{into}: no such install folder")
+    descriptor = os.open(into, os.O_RDONLY)
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(descriptor)
