@@ -59,11 +59,11 @@ class Artifact:
             artifact.verify()
         return artifact
 
-    def verify(self) -> None:
-        """Every listed file's size and sha256. A file hashed before is trusted again while its size,
-        mtime (ns), inode and device are unchanged (the cache lives in ~/.cache/kiln, not in the
-        artifact); a changed file is hashed again."""
-        cache = _HashCache.load()
+    def verify(self, use_cache: bool = True) -> None:
+        """Every listed file's size and sha256. When loading, a file hashed before is trusted again
+        while its size, mtime, ctime (ns; ctime cannot be set back), inode and device are unchanged;
+        the cache lives in ~/.cache/kiln, not in the artifact. `kiln verify` and `install` never use it."""
+        cache = _HashCache.load() if use_cache else _HashCache(None, {})
         for relative, entry in self.manifest["files"].items():
             path = self.folder / relative
             if not path.is_file():
@@ -106,9 +106,9 @@ class Artifact:
 
 
 class _HashCache:
-    """{absolute path: [size, mtime_ns, inode, device, sha256]} of files hashed before."""
+    """{absolute path: [size, mtime_ns, ctime_ns, inode, device, sha256]} of files hashed before."""
 
-    def __init__(self, path: Path, entries: dict[str, list]) -> None:
+    def __init__(self, path: Path | None, entries: dict[str, list]) -> None:
         self.path, self.entries, self.changed = path, entries, False
 
     @classmethod
@@ -123,23 +123,26 @@ class _HashCache:
 
     @staticmethod
     def _key(stat: os.stat_result) -> list:
-        return [stat.st_size, stat.st_mtime_ns, stat.st_ino, stat.st_dev]
+        return [stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, stat.st_ino, stat.st_dev]
 
     def get(self, path: Path, stat: os.stat_result) -> str | None:
         entry = self.entries.get(str(path.resolve()))
-        return entry[4] if isinstance(entry, list) and entry[:4] == self._key(stat) else None
+        return entry[5] if isinstance(entry, list) and len(entry) == 6 and entry[:5] == self._key(stat) else None
 
     def put(self, path: Path, stat: os.stat_result, digest: str) -> None:
         self.entries[str(path.resolve())] = [*self._key(stat), digest]
         self.changed = True
 
     def save(self) -> None:
-        if not self.changed:
+        if not self.changed or self.path is None:
             return
+        partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
         try:  # a read-only home only costs the next load its hashing
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            partial = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-            partial.write_text(json.dumps(self.entries))
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+            partial.unlink(missing_ok=True)
+            descriptor = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+            with os.fdopen(descriptor, "w") as handle:
+                handle.write(json.dumps(self.entries))
             os.replace(partial, self.path)
         except OSError:
-            pass
+            partial.unlink(missing_ok=True)

@@ -26,8 +26,11 @@ EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
 
 
-def _fail(command: str, exc: KilnError) -> None:
-    click.echo(f"kiln {command}: error: {exc}", err=True)
+def _fail(command: str, exc: Exception) -> None:
+    if isinstance(exc, KilnError):
+        click.echo(f"kiln {command}: error: {exc}", err=True)
+    else:  # a bug of ours, or something the checks did not foresee: still one line, still refused
+        click.echo(f"kiln {command}: internal error: {type(exc).__name__}: {exc}", err=True)
     sys.exit(1)
 
 
@@ -67,7 +70,7 @@ def pack(artifact: Path, output: Path, sign_key: Path | None) -> None:
 
     try:
         path = pack_artifact(artifact, output, sign_key)
-    except KilnError as exc:
+    except Exception as exc:
         _fail("pack", exc)
     click.echo(f"{path} ({path.stat().st_size / 1e6:.1f} MB{', signed' if sign_key else ''})")
 
@@ -82,12 +85,12 @@ def verify(source: Path, public_key: Path | None, require_signature: bool, varia
     from .ship import check_integrity, host_fit, opened
 
     try:
-        with opened(source) as folder:
+        with opened(source, public_key, require_signature) as folder:
             notes = check_integrity(folder, public_key, require_signature)
             import json
 
             fits = host_fit(folder, json.loads((folder / "manifest.json").read_text()))
-    except KilnError as exc:
+    except Exception as exc:
         _fail("verify", exc)
     for note in notes:
         click.echo(f"ok  {note}")
@@ -117,7 +120,7 @@ def install(archive: Path, into: Path, public_key: Path | None, require_signatur
 
     try:
         version = install_archive(archive, into, public_key, require_signature, variant)
-    except KilnError as exc:
+    except Exception as exc:
         _fail("install", exc)
     click.echo(f"{into / 'current'} -> {version}")
 
@@ -130,7 +133,7 @@ def rollback(into: Path) -> None:
 
     try:
         version = roll_back(into)
-    except KilnError as exc:
+    except Exception as exc:
         _fail("rollback", exc)
     click.echo(f"{into / 'current'} -> {version}")
 
@@ -143,7 +146,7 @@ def keygen(name: Path) -> None:
 
     try:
         private, public = make_keys(name)
-    except KilnError as exc:
+    except Exception as exc:
         _fail("keygen", exc)
     click.echo(f"{private}\n{public}")
 

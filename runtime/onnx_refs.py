@@ -5,11 +5,12 @@ Runtime before its external-data references are known to stay inside the artifac
 the protobuf wire format over a memory map, descending only into the messages that can hold tensors
 and skipping everything else (raw weights included) by its length:
 
-    ModelProto.graph(7), .functions(25)
+    ModelProto.graph(7), .training_info(20) -> .initialization(1), .algorithm(2), .functions(25)
+      FunctionProto.node(7), .attribute_proto(11)
       GraphProto.node(1), .initializer(5), .sparse_initializer(15)
         NodeProto.attribute(5) -> AttributeProto.t(5), .g(6), .tensors(10), .graphs(11),
                                   .sparse_tensor(22), .sparse_tensors(23)
-        TensorProto.external_data(13) -> StringStringEntryProto key(1), value(2)
+        TensorProto.external_data(13) -> StringStringEntryProto key(1), value(2); .data_location(14)
 """
 
 from __future__ import annotations
@@ -20,14 +21,16 @@ from pathlib import Path
 
 # message kind -> {field number: message kind of that (repeated) field}
 _CHILDREN = {
-    "model": {7: "graph", 25: "function"},
-    "function": {7: "node"},
+    "model": {7: "graph", 20: "training", 25: "function"},
+    "training": {1: "graph", 2: "graph"},
+    "function": {7: "node", 11: "attribute"},
     "graph": {1: "node", 5: "tensor", 15: "sparse"},
     "node": {5: "attribute"},
     "attribute": {5: "tensor", 6: "graph", 10: "tensor", 11: "graph", 22: "sparse", 23: "sparse"},
     "sparse": {1: "tensor", 2: "tensor"},
     "tensor": {13: "entry"},
 }
+EXTERNAL = 1  # TensorProto.DataLocation
 _MAX_DEPTH = 64  # subgraphs nest; a crafted file must not recurse without end
 
 
@@ -52,32 +55,46 @@ def _tensors(data: memoryview, start: int, end: int, kind: str, depth: int) -> I
     if depth > _MAX_DEPTH:
         raise MalformedModel("messages nested too deep")
     if kind == "tensor":
-        entries = [_entry(data, s, e) for field, s, e in _fields(data, start, end) if field == 13]
+        entries, external = [], False
+        for field, wire, s, e in _fields(data, start, end):
+            if field == 13 and wire == 2:
+                entries.append(_entry(data, s, e))
+            elif field == 14 and wire == 0:
+                external = s == EXTERNAL
+        if external and not entries:
+            raise MalformedModel("a tensor is stored externally but names no location")
         if entries:
             yield {k: v for k, v in entries}
         return
     children = _CHILDREN[kind]
-    for field, s, e in _fields(data, start, end):
-        if field in children:
+    for field, wire, s, e in _fields(data, start, end):
+        if wire == 2 and field in children:
             yield from _tensors(data, s, e, children[field], depth + 1)
 
 
 def _entry(data: memoryview, start: int, end: int) -> tuple[str, str]:
     key = value = ""
-    for field, s, e in _fields(data, start, end):
-        text = bytes(data[s:e]).decode("utf-8", errors="strict")
+    for field, wire, s, e in _fields(data, start, end):
+        if wire != 2:
+            continue
+        try:
+            text = bytes(data[s:e]).decode("utf-8", errors="strict")
+        except UnicodeDecodeError:
+            raise MalformedModel("an external-data entry is not UTF-8") from None
         key, value = (text, value) if field == 1 else (key, text) if field == 2 else (key, value)
     return key, value
 
 
-def _fields(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int]]:
-    """(field number, start, end) of every length-delimited field in data[start:end]; others skipped."""
+def _fields(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, int, int]]:
+    """(field, wire type, start, end) of each length-delimited field in data[start:end], and (field, 0,
+    value, 0) of each varint; fixed-width fields are skipped."""
     pos = start
     while pos < end:
         key, pos = _varint(data, pos, end)
         field, wire = key >> 3, key & 7
         if wire == 0:
-            _, pos = _varint(data, pos, end)
+            value, pos = _varint(data, pos, end)
+            yield field, 0, value, 0
         elif wire == 1:
             pos += 8
         elif wire == 5:
@@ -86,7 +103,7 @@ def _fields(data: memoryview, start: int, end: int) -> Iterator[tuple[int, int, 
             length, pos = _varint(data, pos, end)
             if pos + length > end:
                 raise MalformedModel("a field runs past the end of its message (truncated file?)")
-            yield field, pos, pos + length
+            yield field, 2, pos, pos + length
             pos += length
         else:
             raise MalformedModel(f"unsupported protobuf wire type {wire}")

@@ -22,7 +22,9 @@ import gzip
 import hashlib
 import json
 import os
+import re
 import shutil
+import stat
 import tarfile
 import tempfile
 import zlib
@@ -37,6 +39,11 @@ from .onnx_refs import MalformedModel, external_data
 from .signing import SIGNATURE_FILE, SignatureError, sign, verify_signature
 
 MAX_MANIFEST_BYTES = 64 << 20
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
+# Weights barely compress: an archive that would unpack to far more than this many times its own
+# size is refused before anything is written (a zip bomb within the per-file size checks).
+MAX_EXPANSION = 8
+EXPANSION_ALLOWANCE = 64 << 20
 # onnxruntime release that first runs each ONNX opset (its release notes). Graphs with contrib ops
 # (fused GroupQueryAttention, RMSNorm, rotary; MatMulNBits) need the oldest release they were run on:
 # onnxruntime-gpu 1.31.1, the gpu extra, ran the fused fp32, int8 and int4 graphs of 1.32 builds.
@@ -106,20 +113,27 @@ def safe_relative(name: str) -> str | None:
     return None
 
 
-def unpack(archive: Path, dest: Path) -> dict[str, Any]:
+def unpack(archive: Path, dest: Path, public_key: Path | None = None, require_signature: bool = False) -> dict:
     """Extract `archive` into the empty folder `dest`, checking every member as it comes; returns
-    the manifest. Raises ArchiveError naming the first problem."""
+    the manifest. With a public key (or when a signature is required) the signature, which must follow
+    the manifest, is checked before any other file is written. Raises ArchiveError or SignatureError
+    naming the first problem."""
     try:
         with tarfile.open(archive, mode="r|*") as tar:
-            return _unpack_members(archive, tar, dest)
+            return _unpack_members(archive, tar, dest, public_key, require_signature)
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile) as exc:
         raise ArchiveError(f"{archive}: corrupted or truncated archive ({exc or type(exc).__name__})") from None
+    except (OSError, ValueError) as exc:  # a file where a folder must go, a name the filesystem refuses
+        raise ArchiveError(f"{archive}: cannot be unpacked ({exc})") from None
 
 
-def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path) -> dict[str, Any]:
+def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path, public_key: Path | None,
+                    require_signature: bool) -> dict[str, Any]:
     manifest: dict[str, Any] | None = None
+    raw = b""
     expected: dict[str, dict[str, Any]] = {}
     written: set[str] = set()
+    signature_checked = public_key is None and not require_signature
     for member in tar:
         name = member.name
         if member.isdir():
@@ -130,7 +144,7 @@ def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path) -> dict[str
         if member.issym() or member.islnk():
             raise ArchiveError(f"{archive}: member {name!r} is a {'symbolic' if member.issym() else 'hard'} link; "
                                "links are refused")
-        if not member.isreg():
+        if member.issparse() or not member.isreg():
             raise ArchiveError(f"{archive}: member {name!r} is not a regular file; refused")
         if manifest is None:
             if name != MANIFEST:
@@ -145,8 +159,19 @@ def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path) -> dict[str
         if name == SIGNATURE_FILE:
             if member.size != 64:
                 raise ArchiveError(f"{archive}: {SIGNATURE_FILE} is {member.size} bytes, an ed25519 signature is 64")
-            _write(archive, tar, member, dest / name, None)
-        elif name not in expected:
+            signature = tar.extractfile(member).read()
+            if public_key is not None:
+                verify_signature(raw, signature, public_key)
+                signature_checked = True
+            (dest / name).write_bytes(signature)
+            written.add(name)
+            continue
+        if not signature_checked:  # before any file of the artifact is written
+            if SIGNATURE_FILE in written:
+                raise SignatureError("a signature is required: give --public-key to check it")
+            raise SignatureError(f"{archive}: not signed (no {SIGNATURE_FILE} right after the manifest), and a "
+                                 "signature is required")
+        if name not in expected:
             raise ArchiveError(f"{archive}: member {name!r} is not listed in the manifest; refused")
         else:
             if member.size != expected[name]["size"]:
@@ -168,22 +193,57 @@ def _read_manifest(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo)
         raise ArchiveError(f"{archive}: {MANIFEST} is {member.size} bytes; refused")
     raw = tar.extractfile(member).read()
     try:
-        manifest = json.loads(raw)
-        files = manifest["files"]
-        expected = {str(k): {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in files.items()}
+        manifest = json.loads(raw.decode("utf-8", errors="strict"))
+        problem = manifest_problem(manifest)
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ArchiveError(f"{archive}: {MANIFEST} is not a Kiln manifest ({exc})") from None
-    for name in expected:
-        problem = safe_relative(name)
-        if problem or name in (MANIFEST, SIGNATURE_FILE):
-            raise ArchiveError(f"{archive}: the manifest lists {name!r}, {problem or 'a reserved name'}; refused")
+    if problem:
+        raise ArchiveError(f"{archive}: {problem}; refused")
+    expected = {k: {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in manifest["files"].items()}
+    total, size = sum(v["size"] for v in expected.values()), archive.stat().st_size
     # gzip barely shrinks weights; an archive much larger than what it claims to hold is not ours
-    limit = sum(v["size"] for v in expected.values()) * 1.1 + member.size + (16 << 20)
-    size = archive.stat().st_size
+    limit = total * 1.1 + member.size + (16 << 20)
     if size > limit:
         raise ArchiveError(f"{archive}: {size} bytes, far more than the {int(limit)} its manifest accounts for; "
                            "refused")
+    if total > size * MAX_EXPANSION + EXPANSION_ALLOWANCE:
+        raise ArchiveError(f"{archive}: would unpack to {total} bytes from {size}; refused as a decompression bomb")
     return manifest, expected, raw
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes `manifest` unsafe to act on (names, paths, shapes), or None."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        return "the manifest lists no files"
+    name = manifest.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        return f"the manifest's name {name!r} is not [a-z0-9][a-z0-9._-]*"
+    files = manifest["files"]
+    for path, entry in files.items():
+        problem = safe_relative(path)
+        if problem or path in (MANIFEST, SIGNATURE_FILE):
+            return f"the manifest lists {path!r}, {problem or 'a reserved name'}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0 \
+                or not isinstance(entry.get("sha256"), str):
+            return f"the manifest's entry for {path!r} has no valid size and sha256"
+    folders = {str(parent) for path in files for parent in PurePosixPath(path).parents}
+    clash = next((path for path in files if path in folders), None)
+    if clash:
+        return f"the manifest lists {clash!r} both as a file and as a folder"
+    variants = manifest.get("variants")
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+        return "the manifest's variants are not a mapping of variant entries"
+    for variant, entry in variants.items():
+        engine = entry.get("engine") if isinstance(entry.get("engine"), dict) else {}
+        for path in (entry.get("model"), engine.get("file")):
+            if path is not None and (not isinstance(path, str) or path not in files):
+                return f"variant {variant!r} points at {path!r}, which the manifest does not list"
+        profiles = engine.get("profiles_file")
+        if profiles is not None:
+            folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)
+            if folder.as_posix() not in files:
+                return f"variant {variant!r} points at {folder.as_posix()!r}, which the manifest does not list"
+    return None
 
 
 def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, sha256: str | None) -> None:
@@ -204,18 +264,19 @@ def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: P
 def check_integrity(folder: Path, public_key: Path | None = None, require_signature: bool = False) -> list[str]:
     """Schema, file list, hashes, external-data references, signature. Raises on the first problem;
     returns notes on what was checked."""
-    artifact = Artifact.open(folder, verify=False)
-    files = artifact.manifest.get("files")
-    if not isinstance(files, dict) or not files:
-        raise ArtifactError(f"{folder}: the manifest lists no files")
-    for name in files:
-        problem = safe_relative(name)
-        if problem:
-            raise ArtifactError(f"{folder}: the manifest lists {name!r}, {problem}")
+    try:
+        artifact = Artifact.open(folder, verify=False)
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{folder}: {MANIFEST} is not UTF-8") from None
+    problem = manifest_problem(artifact.manifest)
+    if problem:
+        raise ArtifactError(f"{folder}: {problem}")
+    files = artifact.manifest["files"]
     _check_tree(folder, set(files))
-    artifact.verify()
+    artifact.verify(use_cache=False)  # a check on demand hashes every byte
     notes = [f"schema {SCHEMA_VERSION}, {len(files)} files, sha256 and size of each"]
-    onnx_files = [name for name in files if name.endswith(".onnx")]
+    models = {e["model"] for e in artifact.manifest["variants"].values() if isinstance(e.get("model"), str)}
+    onnx_files = sorted({name for name in files if name.endswith(".onnx")} | models)
     for name in onnx_files:
         _check_external_data(folder, name, files)
     notes.append(f"external data of {len(onnx_files)} ONNX file(s) inside the artifact and within its files")
@@ -242,19 +303,21 @@ def _check_external_data(folder: Path, name: str, files: dict[str, Any]) -> None
     except MalformedModel as exc:
         raise ArtifactError(f"{folder}: {name} is not a readable ONNX file ({exc})") from None
     for ref in refs:
-        location = ref.get("location", "")
+        location = ref.get("location")
+        if not location:
+            raise ArtifactError(f"{folder}: {name} has an external-data entry without a location; refused")
         problem = safe_relative(location)
         if problem:
             raise ArtifactError(f"{folder}: {name} keeps tensors at {location!r}, {problem}; refused")
         target = (PurePosixPath(name).parent / location).as_posix()
         if target not in files:
             raise ArtifactError(f"{folder}: {name} keeps tensors in {target}, which the manifest does not list")
-        try:
-            offset, length = int(ref.get("offset", 0)), int(ref.get("length", 0))
-        except ValueError:
-            raise ArtifactError(f"{folder}: {name} has a non-numeric external-data offset or length") from None
-        size = files[target]["size"]
-        if offset < 0 or length < 0 or offset + length > size:
+        offset, length = ref.get("offset", "0"), ref.get("length")
+        if length is None or not all(v.isascii() and v.isdigit() for v in (offset, length)):
+            raise ArtifactError(f"{folder}: {name} has an external-data entry without a plain numeric offset and "
+                                "length; refused")
+        offset, length, size = int(offset), int(length), files[target]["size"]
+        if offset + length > size:
             raise ArtifactError(f"{folder}: {name} reads {target} at offset {offset} + length {length}, past its "
                                 f"{size} bytes; refused")
 
@@ -340,7 +403,7 @@ def _version(text: str) -> tuple[int, ...]:
 
 
 @contextlib.contextmanager
-def opened(path: Path) -> Iterator[Path]:
+def opened(path: Path, public_key: Path | None = None, require_signature: bool = False) -> Iterator[Path]:
     """An artifact folder to check: the folder itself, or an archive unpacked (checked) into a temporary one."""
     if path.is_dir():
         yield path
@@ -348,7 +411,7 @@ def opened(path: Path) -> Iterator[Path]:
     if not path.is_file():
         raise ArtifactError(f"{path}: no such artifact folder or .kiln file")
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as temporary:
-        unpack(path, Path(temporary) / "artifact")
+        unpack(path, Path(temporary) / "artifact", public_key, require_signature)
         yield Path(temporary) / "artifact"
 
 
@@ -361,27 +424,34 @@ def install(archive: Path, into: Path, public_key: Path | None = None, require_s
         raise ArtifactError(f"{archive}: no such .kiln file")
     created = not into.exists()
     into.mkdir(parents=True, exist_ok=True)
+    into = Path(os.path.realpath(into))  # links are made relative to the real folder
     try:
         with _locked(into):
             return _install_locked(archive, into, public_key, require_signature, variant)
     except BaseException:
         if created:
-            shutil.rmtree(into, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                into.rmdir()  # only if still empty: another install may have filled it meanwhile
         raise
 
 
 def _install_locked(archive: Path, into: Path, public_key: Path | None, require_signature: bool,
                     variant: str | None) -> Path:
+    for name in ("current", "previous", "versions"):
+        path = into / name
+        if os.path.lexists(path) and not (stat.S_ISLNK(os.lstat(path).st_mode) or name == "versions"):
+            raise ArtifactError(f"{into}: {name} exists and is not a link Kiln made; move it away first")
+    if os.path.islink(into / "versions"):
+        raise ArtifactError(f"{into}: versions is a link; Kiln keeps its versions in a real folder")
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=into))
     try:
-        manifest = unpack(archive, staging / "artifact")
+        manifest = unpack(archive, staging / "artifact", public_key, require_signature)
         check_integrity(staging / "artifact", public_key, require_signature)
         _require_fit(staging / "artifact", manifest, variant)
         identity = hashlib.sha256((staging / "artifact" / MANIFEST).read_bytes()).hexdigest()[:12]
-        version = into / "versions" / f"{manifest.get('name', 'artifact')}-{identity}"
-        if not version.exists():
-            version.parent.mkdir(exist_ok=True)
-            os.rename(staging / "artifact", version)
+        version = into / "versions" / f"{manifest['name']}-{identity}"
+        version.parent.mkdir(exist_ok=True)
+        _place(staging, version)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     current = _link_target(into / "current")
@@ -390,6 +460,19 @@ def _install_locked(archive: Path, into: Path, public_key: Path | None, require_
         if current is not None:
             _switch(into, "previous", current)
     return version
+
+
+def _place(staging: Path, version: Path) -> None:
+    """Move the verified artifact to `version`. A folder already there (the same manifest, installed
+    before) is kept only if it still passes every check; otherwise the fresh copy replaces it."""
+    if version.exists():
+        try:
+            check_integrity(version)
+            return
+        except KilnError:
+            aside = staging / "replaced"
+            os.rename(version, aside)
+    os.rename(staging / "artifact", version)
 
 
 def _require_fit(folder: Path, manifest: dict[str, Any], variant: str | None) -> None:
@@ -405,6 +488,7 @@ def _require_fit(folder: Path, manifest: dict[str, Any], variant: str | None) ->
 
 def rollback(into: Path) -> Path:
     """Switch `into`/current back to `into`/previous (and previous to what was current)."""
+    into = Path(os.path.realpath(into))
     with _locked(into):
         current, previous = _link_target(into / "current"), _link_target(into / "previous")
         if previous is None or not previous.is_dir():
@@ -416,7 +500,7 @@ def rollback(into: Path) -> Path:
 
 
 def _link_target(link: Path) -> Path | None:
-    return (link.parent / os.readlink(link)).resolve() if link.is_symlink() else None
+    return Path(os.path.normpath(link.parent / os.readlink(link))) if link.is_symlink() else None
 
 
 def _switch(into: Path, name: str, target: Path) -> None:

@@ -277,3 +277,119 @@ def test_hash_cache_skips_unchanged_files_and_catches_changed_ones(tiny_artifact
     with pytest.raises(ArtifactError, match="generation_config.json (has the wrong size|fails its sha256)"):
         Artifact.open(folder)
     Generator.load(tiny_artifacts["gpt2"], verify=False)  # the trusted-host escape (run-model --no-verify)
+
+
+# -- found in review: each was a way through, now refused ----------------------------------------
+
+def _with_manifest(packed: Path, out: Path, edit, extra: list | None = None, drop_signature: bool = True) -> Path:
+    members = _members(packed)
+    manifest = json.loads(members[0][1])
+    edit(manifest)
+    raw = json.dumps(manifest).encode()
+    info, _ = members[0]
+    rest = [(m, d) for m, d in members[1:] if not (drop_signature and m.name == "signature.ed25519")]
+    return _write(out, [_file(info.name, raw)] + (extra or []) + rest)
+
+
+def _zeros_entry(size: int) -> dict:
+    import hashlib
+
+    digest = hashlib.sha256()
+    chunk = bytes(1 << 20)
+    for _ in range(size >> 20):
+        digest.update(chunk)
+    return {"sha256": digest.hexdigest(), "size": size}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("name escape", "is not [a-z0-9][a-z0-9._-]*"),
+    ("file and folder", "both as a file and as a folder"),
+    ("model outside", "which the manifest does not list"),
+    ("bomb", "refused as a decompression bomb"),
+    ("sparse", "not a regular file"),
+    ("unsigned", "not signed"),
+])
+def test_review_findings_are_refused(case, message, packed, keys, tmp_path):
+    srv = tmp_path / "srv"
+    install(packed, srv)
+    before = snapshot(srv)
+    out = tmp_path / "bad.kiln"
+    if case == "name escape":
+        _with_manifest(packed, out, lambda m: m.update(name="../../escaped"))
+    elif case == "file and folder":
+        _with_manifest(packed, out, lambda m: m["files"].update(tokenizer={"sha256": "0" * 64, "size": 0}))
+    elif case == "model outside":
+        _with_manifest(packed, out, lambda m: m["variants"]["cpu-fp32"].update(model="/tmp/unverified.onnx"))
+    elif case == "bomb":
+        big = 100 << 20
+        _with_manifest(packed, out, lambda m: m["files"].update({"big.bin": _zeros_entry(big)}),
+                       extra=[_file("big.bin", bytes(big))])
+    elif case == "sparse":
+        import subprocess
+
+        folder = tmp_path / "sparse"
+        folder.mkdir()
+        members = _members(packed)
+        manifest = json.loads(members[0][1])
+        manifest["files"]["big.bin"] = _zeros_entry(16 << 20)  # under the bomb allowance
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+        with open(folder / "big.bin", "wb") as handle:
+            handle.truncate(16 << 20)
+        subprocess.run(["tar", "--sparse", "--format=gnu", "-czf", str(out), "-C", str(folder), "manifest.json",
+                        "big.bin"], check=True)
+    elif case == "unsigned":
+        _with_manifest(packed, out, lambda m: None)
+    args = ["--public-key", keys[0].with_suffix(".pub")] if case == "unsigned" else []
+    result = cli("install", out, "--into", srv, *args)
+    assert result.exit_code == 1, result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and message in line, line
+    assert snapshot(srv) == before
+    assert not (tmp_path / "escaped").exists() and not list(tmp_path.glob("escaped*"))
+
+
+def test_install_folder_edge_cases(packed, tiny_artifacts, tmp_path):
+    other = tmp_path / "qwen2.kiln"
+    pack(tiny_artifacts["qwen2"], other)
+    # reached through a symlink: links stay valid and rollback works
+    real = tmp_path / "real"
+    real.mkdir()
+    (tmp_path / "via").symlink_to(real)
+    v1, v2 = install(packed, tmp_path / "via"), install(other, tmp_path / "via")
+    assert (real / "current").resolve() == v2.resolve() and (real / "previous").resolve() == v1.resolve()
+    assert rollback(tmp_path / "via").resolve() == v1.resolve() and (real / "current").resolve() == v1.resolve()
+    # a version folder tampered with after install is replaced, not reused, when installed again
+    (v2 / "planted.py").write_text("print('hi')")
+    assert install(other, real) == v2 and not (v2 / "planted.py").exists()
+    # a `current` that is not Kiln's link is never overwritten
+    odd = tmp_path / "odd"
+    (odd / "current").mkdir(parents=True)
+    before = snapshot(odd)
+    result = cli("install", packed, "--into", odd)
+    assert result.exit_code == 1 and "current exists and is not a link Kiln made" in result.stderr
+    assert snapshot(odd) == before
+
+
+def test_hash_cache_catches_a_restored_mtime(tiny_artifacts, tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    folder = tmp_path / "art"
+    shutil.copytree(tiny_artifacts["gpt2"], folder)
+    Artifact.open(folder)
+    path = folder / "variants" / "cpu-fp32" / "model.onnx"
+    stat = path.stat()
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0x01
+    path.write_bytes(bytes(data))
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns))  # same size, mtime and inode; ctime moved
+    with pytest.raises(ArtifactError, match="fails its sha256 check"):
+        Artifact.open(folder)
+
+
+def test_external_data_without_length_is_refused(tiny_artifacts, tmp_path):
+    def drop_length(entries):
+        entries["offset"].value = "0"
+        entries["length"].value = ""
+
+    bad = _with_external_data(tiny_artifacts["llama"], tmp_path, drop_length)
+    result = cli("verify", bad)
+    assert result.exit_code == 1 and "plain numeric offset and length" in result.stderr
