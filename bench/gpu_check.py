@@ -65,13 +65,13 @@ def check_variants(artifact: Path, source: str, out: Path) -> list[dict]:
     from runtime.sampling import SamplingParams
 
     eager = eager_side(load_checkpoint(ModelSpec(source=source)), f"eager:{source}", device="cuda", dtype="fp32")
+    inputs, prompts = read_inputs(eager, None, None, 32, 512)
     rows = []
     for variant in ("gpu-fp16", "gpu-int8"):
         texts = Generator.load(artifact, variant).generate(
             ["The capital of France is", "def fibonacci(n):", "Once upon a time"] * 4,
             SamplingParams(max_new_tokens=24))
         engine = open_side(f"{artifact}:{variant}")
-        inputs, prompts = read_inputs(eager, None, None, 32, 512)
         check_same_tokenizer(eager, engine, prompts)
         gates = engine.gates
         report = compare(eager, engine, inputs, prompts, gates, speed_repeats=0)

@@ -258,6 +258,8 @@ def failed_gates(metrics: dict[str, Any], gates: dict[str, float]) -> list[str]:
     return failures
 
 
-def text_rows(ids: list[int]) -> list[list[int]]:
-    ids = ids[:MAX_TEXT_TOKENS]
-    return [ids[i:i + TEXT_ROW_TOKENS] for i in range(0, len(ids), TEXT_ROW_TOKENS) if len(ids[i:]) > 1]
+def text_rows(ids: list[int], max_context: int) -> list[list[int]]:
+    """The held-out text as rows of TEXT_ROW_TOKENS tokens (fewer if the context is shorter), at most
+    MAX_TEXT_TOKENS in all; a last row of one token predicts nothing and is dropped."""
+    ids, width = ids[:MAX_TEXT_TOKENS], min(TEXT_ROW_TOKENS, max_context)
+    return [ids[i:i + width] for i in range(0, len(ids), width) if len(ids[i:]) > 1]

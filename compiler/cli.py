@@ -16,8 +16,8 @@ from runtime.errors import ArtifactError, IncompatibleArtifact, KilnError
 from .errors import CheckpointError, CompareInputError, OutputError, RecipeError
 
 # Bad input (exit 2) versus a compile that ran and failed (exit 1, e.g. ExportMismatch).
-BAD_INPUT = (RecipeError, CheckpointError, OutputError)
-COMPARE_BAD_INPUT = (*BAD_INPUT, CompareInputError, ArtifactError, IncompatibleArtifact)
+BAD_INPUT = (RecipeError, CheckpointError, OutputError, CompareInputError)
+COMPARE_BAD_INPUT = (*BAD_INPUT, ArtifactError, IncompatibleArtifact)
 
 
 def _interrupt(signum: int, frame: object) -> None:

@@ -108,12 +108,6 @@ def _artifact_side(text: str, threads: int | None, verify: bool) -> Side:
                 model["max_context"], entry.get("gates", {}))
 
 
-def graph_backend(model_path: Path, interface: dict[str, Any], threads: int | None = None) -> Any:
-    from runtime.backend import OnnxRuntimeBackend
-
-    return OnnxRuntimeBackend(model_path, interface, threads=threads)
-
-
 def _split_variant(text: str) -> tuple[Path, str | None]:
     if Path(text).is_dir() or ":" not in text:
         return Path(text), None
@@ -139,21 +133,21 @@ def _variant_entry(artifact: Artifact, name: str | None) -> dict[str, Any]:
 def read_inputs(side: Side, prompts_file: Path | None, text_file: Path | None, max_new_tokens: int,
                 max_context: int) -> tuple[Inputs, list[str]]:
     prompts_file, text_file = prompts_file or DEFAULT_PROMPTS, text_file or DEFAULT_TEXT
-    for kind, file in (("--prompts", prompts_file), ("--text", text_file)):
+    for kind, file in (("prompts", prompts_file), ("text", text_file)):
         if not file.is_file():
-            raise CompareInputError(f"{kind} {file}: no such file")
+            raise CompareInputError(f"{kind} file {file}: no such file")
     prompts = read_prompts(prompts_file)
     if not prompts:
-        raise CompareInputError(f'--prompts {prompts_file}: no prompts; write one {{"prompt": "..."}} per line')
+        raise CompareInputError(f'prompts file {prompts_file}: no prompts; write one {{"prompt": "..."}} per line')
     text = side.encode(text_file.read_text())
     if len(text) < 2:
-        raise CompareInputError(f"--text {text_file}: needs at least 2 tokens of text to score perplexity")
+        raise CompareInputError(f"text file {text_file}: needs at least 2 tokens of text to score perplexity")
     limit = max_context - max_new_tokens
     if limit < 1:
-        raise CompareInputError(f"--max-new-tokens {max_new_tokens} leaves no room for a prompt in a "
+        raise CompareInputError(f"max_new_tokens {max_new_tokens} leaves no room for a prompt in a "
                                 f"context of {max_context}")
     encoded = [side.encode(p)[-limit:] for p in prompts]
-    return Inputs(text_rows(text[:max_context]), encoded, max_new_tokens, side.pad_id), prompts
+    return Inputs(text_rows(text, max_context), encoded, max_new_tokens, side.pad_id), prompts
 
 
 def check_same_tokenizer(a: Side, b: Side, texts: list[str]) -> None:

@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.backend import open_backend
+from runtime.backend import OnnxRuntimeBackend, open_backend
 
-from .accuracy import Inputs, Run, measure, reference_run, text_rows
-from .compare import Side, assemble, eager_side, graph_backend
+from .accuracy import Inputs, Run, measure, reference_run
+from .compare import Side, assemble, eager_side, read_inputs
 from .errors import GateFailure, OutputError, RecipeError
 from .export import OnnxArtifact, export
 from .load import Checkpoint, load_checkpoint
@@ -70,8 +70,8 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
                 f"(relative {validation['max_rel_logit_error']:.2g}, tolerance {validation['tolerance_relative']:g})"
             )
         with log.stage("reference", "eager torch on the validation prompts and held-out text"):
-            data = _validation_data(recipe, base, checkpoint)
             eager = eager_side(checkpoint, f"eager:{recipe.model.source}", device="cpu")
+            data = _validation_data(recipe, base, eager)
             reference = reference_run(eager.backend, data.inputs)
         built = {}
         for variant in variants:
@@ -126,23 +126,19 @@ class ValidationData:
     calibration: dict[str, list[list[int]]]  # by variant name: its own calibration file, or the shipped set
 
 
-def _validation_data(recipe: Recipe, base: Path, checkpoint: Checkpoint) -> ValidationData:
-    tokenizer = checkpoint.tokenizer
-    encode = lambda text: tokenizer(text, add_special_tokens=True)["input_ids"]  # noqa: E731
+def _validation_data(recipe: Recipe, base: Path, eager: Side) -> ValidationData:
+    """compare-model's inputs from the recipe's files, tokenized by the checkpoint's tokenizer."""
     prompts_file = resolve_path(base, recipe.validate_.prompts) if recipe.validate_.prompts else DEFAULT_PROMPTS
     text_file = resolve_path(base, recipe.validate_.text) if recipe.validate_.text else DEFAULT_TEXT
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    limit = recipe.export.max_context - recipe.validate_.max_new_tokens
-    texts = read_prompts(prompts_file)
-    prompts = [encode(p)[-limit:] for p in texts]
-    inputs = Inputs(text_rows(encode(text_file.read_text())), prompts, recipe.validate_.max_new_tokens, pad)
+    inputs, texts = read_inputs(eager, prompts_file, text_file, recipe.validate_.max_new_tokens,
+                                recipe.export.max_context)
     encoded: dict[Path, list[list[int]]] = {}  # each file once, however many variants name it
     calibration = {}
     for variant in recipe.variants:
         named = variant.quantize.calibration if variant.quantize else None
         file = resolve_path(base, named) if named else DEFAULT_CALIBRATION
         if file not in encoded:
-            encoded[file] = [encode(p)[: recipe.export.max_context] for p in read_prompts(file)]
+            encoded[file] = [eager.encode(p)[: recipe.export.max_context] for p in read_prompts(file)]
         calibration[variant.name] = encoded[file]
     return ValidationData(inputs, texts, calibration)
 
@@ -174,7 +170,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         write_report(comparison, staging / "reports", stem=stem)
         return comparison
 
-    comparison = against_eager(graph_backend(graph.model_path, graph.interface), variant.name, "ONNX Runtime CPU")
+    comparison = against_eager(OnnxRuntimeBackend(graph.model_path, graph.interface), variant.name,
+                               "ONNX Runtime CPU")
     metrics, failures = comparison["summary"], comparison["failed_gates"]
     log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
              f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
@@ -206,7 +203,7 @@ def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe,
     cache = resolve_path(base, spec.timing_cache) if spec.timing_cache else None
     try:
         with log.spinner("building the TensorRT engine"):
-            engine = build_engine(folder / graph.files[0], graph.interface, profiles, spec, cache, folder)
+            engine = build_engine(folder / graph.files[0], profiles, spec, cache, folder)
     except EngineUnavailable as exc:
         log.note(f"engine skipped: {exc}")
         return {"status": "skipped", "reason": str(exc), "profiles": ranges.model_dump()}

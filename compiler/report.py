@@ -15,7 +15,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .accuracy import GATES
+from .accuracy import GATES, failed_gates
 from .compare import worst_prompts
 
 # (label, summary key, format) for the summary table, in reading order.
@@ -67,12 +67,11 @@ def write_report(report: dict[str, Any], folder: Path, stem: str = "report") -> 
 
 
 def _gate_rows(report: dict[str, Any]) -> list[tuple[str, str, str, bool]]:
-    failed = {line.split()[0] for line in report["failed_gates"]}
     rows = []
     for gate, threshold in report["gates"].items():
         metric, relation = GATES[gate]
-        rows.append((f"{gate} {relation} {threshold:g}", metric, fmt(metric, report["summary"][metric]),
-                     gate not in failed))
+        holds = not failed_gates(report["summary"], {gate: threshold})
+        rows.append((f"{gate} {relation} {threshold:g}", metric, fmt(metric, report["summary"][metric]), holds))
     return rows
 
 

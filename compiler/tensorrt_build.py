@@ -112,9 +112,10 @@ def default_timing_cache(host: Host) -> Path:
     return Path.home() / ".cache" / "kiln" / "tensorrt" / f"timing-{host.tensorrt_version}-sm{sm}.cache"
 
 
-def build_engine(model_path: Path, interface: dict[str, Any], profiles: list[dict[str, Any]], spec: EngineSpec,
+def build_engine(model_path: Path, profiles: list[dict[str, Any]], spec: EngineSpec,
                  timing_cache: Path | None, folder: Path) -> dict[str, Any]:
-    """Write engine.plan, profiles.json and build.log into `folder`; return the manifest's engine facts."""
+    """Write engine.plan and build.log into `folder` (the pipeline writes profiles.json beside them, built or
+    not); return the manifest's engine facts."""
     host = build_host()
     import tensorrt as trt
 
@@ -154,7 +155,6 @@ def build_engine(model_path: Path, interface: dict[str, Any], profiles: list[dic
                                f"{logger.last_error() or 'no error logged'}")
     (folder / ENGINE_FILE).write_bytes(bytes(serialized))
     _save_timing_cache(config, cache_path)
-    _write_json(folder / PROFILES_FILE, profiles)
     return {
         "file": ENGINE_FILE, "profiles_file": PROFILES_FILE, "log": LOG_FILE,
         "tensorrt_version": host.tensorrt_version, "gpu": host.gpu, "compute_capability": host.compute_capability,
@@ -178,12 +178,6 @@ def _save_timing_cache(config: Any, path: Path) -> None:
     partial = path.with_name(f".{path.name}.{os.getpid()}")
     partial.write_bytes(bytes(config.get_timing_cache().serialize()))
     os.replace(partial, path)
-
-
-def _write_json(path: Path, value: Any) -> None:
-    import json
-
-    path.write_text(json.dumps(value, indent=2) + "\n")
 
 
 def _write_log(folder: Path, logger: Any) -> None:

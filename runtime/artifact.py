@@ -33,6 +33,18 @@ def sha256_file(path: Path, on_bytes: Any = None) -> str:
     return digest.hexdigest()
 
 
+def version_tuple(text: str) -> tuple[int, ...]:
+    """(major, minor, patch) of a version string, as far as it has them: "1.32.0+cpu" -> (1, 32, 0),
+    "10.13.0.35" -> (10, 13, 0)."""
+    parts = []
+    for part in text.split(".")[:3]:
+        digits = "".join(c for c in part if c.isdigit())
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
+
+
 @dataclass(frozen=True)
 class Artifact:
     folder: Path
@@ -83,10 +95,11 @@ class Artifact:
         """A built variant's manifest entry; without a name, the first one built. A variant that missed
         its accuracy gates (kept by compile-model --keep-failed) loads only when named."""
         variants = self.manifest["variants"]
-        if name is not None and variants.get(name, {}).get("status") == "failed":
+        status = variants.get(name, {}).get("status")
+        if status == "failed":
             return {"name": name, **variants[name]}
         built = {k: v for k, v in variants.items() if v.get("status") == "built"}
-        if name is not None and variants.get(name, {}).get("status") == "skipped":
+        if status == "skipped":
             others = f"; built variants: {', '.join(built)}" if built else ""
             raise IncompatibleArtifact(f"{self.folder}: variant {name!r} was not built: {variants[name]['reason']}"
                                        + others)

@@ -82,14 +82,11 @@ def pack(artifact: Path, output: Path, sign_key: Path | None) -> None:
 @click.option("--variant", help="Exit 1 unless this variant runs on this host [default: any variant].")
 def verify(source: Path, public_key: Path | None, require_signature: bool, variant: str | None) -> None:
     """Verify a .kiln file or an artifact folder: integrity, signature, and what runs on this host."""
-    from .ship import check_integrity, host_fit, opened
+    from .ship import require_fit
+    from .ship import verify as verify_artifact
 
     try:
-        with opened(source, public_key, require_signature) as folder:
-            notes = check_integrity(folder, public_key, require_signature)
-            import json
-
-            fits = host_fit(folder, json.loads((folder / "manifest.json").read_text()))
+        notes, fits = verify_artifact(source, public_key, require_signature)
     except Exception as exc:
         _fail("verify", exc)
     for note in notes:
@@ -99,11 +96,10 @@ def verify(source: Path, public_key: Path | None, require_signature: bool, varia
     widths = [max(len(r[i]) for r in rows) for i in range(4)]
     for row in rows:
         click.echo("  ".join(cell.ljust(width) for cell, width in zip(row, widths, strict=False)) + "  " + row[4])
-    wanted = [f for f in fits if variant is None or f.variant == variant]
-    if not any(f.fits for f in wanted):
-        which = f"variant {variant!r}" if variant else "no variant"
-        click.echo(f"kiln verify: {which} {'does not run' if variant else 'runs'} on this host", err=True)
-        sys.exit(1)
+    try:
+        require_fit(fits, variant)
+    except Exception as exc:
+        _fail("verify", exc)
 
 
 @kiln.command()

@@ -20,11 +20,11 @@ import contextlib
 import fcntl
 import gzip
 import hashlib
+import io
 import json
 import os
 import re
 import shutil
-import stat
 import tarfile
 import tempfile
 import zlib
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any, BinaryIO
 
-from .artifact import MANIFEST, SCHEMA_VERSION, Artifact
+from .artifact import MANIFEST, SCHEMA_VERSION, Artifact, version_tuple
 from .errors import ArtifactError, IncompatibleArtifact, KilnError
 from .onnx_refs import MalformedModel, external_data
 from .signing import SIGNATURE_FILE, SignatureError, sign, verify_signature
@@ -69,9 +69,9 @@ def pack(folder: Path, out: Path, sign_key: Path | None = None) -> Path:
         with open(partial, "wb") as raw, gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0,
                                                        compresslevel=1) as zipped, \
                 tarfile.open(fileobj=zipped, mode="w", format=tarfile.GNU_FORMAT) as tar:
-            _add(tar, MANIFEST, len(manifest), _bytes_reader(manifest))
+            _add(tar, MANIFEST, len(manifest), io.BytesIO(manifest))
             if signature is not None:
-                _add(tar, SIGNATURE_FILE, len(signature), _bytes_reader(signature))
+                _add(tar, SIGNATURE_FILE, len(signature), io.BytesIO(signature))
             for relative in sorted(artifact.manifest["files"]):
                 path = folder / relative
                 with open(path, "rb") as handle:
@@ -85,12 +85,6 @@ def pack(folder: Path, out: Path, sign_key: Path | None = None) -> Path:
 def _existing_signature(folder: Path) -> bytes | None:
     path = folder / SIGNATURE_FILE
     return path.read_bytes() if path.is_file() else None
-
-
-def _bytes_reader(data: bytes) -> BinaryIO:
-    import io
-
-    return io.BytesIO(data)
 
 
 def _add(tar: tarfile.TarFile, name: str, size: int, handle: BinaryIO) -> None:
@@ -173,11 +167,10 @@ def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path, public_key:
                                  "signature is required")
         if name not in expected:
             raise ArchiveError(f"{archive}: member {name!r} is not listed in the manifest; refused")
-        else:
-            if member.size != expected[name]["size"]:
-                raise ArchiveError(f"{archive}: member {name!r} is {member.size} bytes, the manifest says "
-                                   f"{expected[name]['size']}; refused")
-            _write(archive, tar, member, dest / name, expected[name]["sha256"])
+        if member.size != expected[name]["size"]:
+            raise ArchiveError(f"{archive}: member {name!r} is {member.size} bytes, the manifest says "
+                               f"{expected[name]['size']}; refused")
+        _write(archive, tar, member, dest / name, expected[name]["sha256"])
         written.add(name)
     if manifest is None:
         raise ArchiveError(f"{archive}: empty archive (no {MANIFEST})")
@@ -261,9 +254,11 @@ def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: P
 
 # -- verify ---------------------------------------------------------------------------------------
 
-def check_integrity(folder: Path, public_key: Path | None = None, require_signature: bool = False) -> list[str]:
+def check_integrity(folder: Path, public_key: Path | None = None, require_signature: bool = False,
+                    rehash: bool = True) -> tuple[dict[str, Any], list[str]]:
     """Schema, file list, hashes, external-data references, signature. Raises on the first problem;
-    returns notes on what was checked."""
+    returns the manifest and notes on what was checked. `rehash=False` is for a folder `unpack` has
+    just written: it hashed every byte as it wrote them."""
     try:
         artifact = Artifact.open(folder, verify=False)
     except UnicodeDecodeError:
@@ -273,7 +268,8 @@ def check_integrity(folder: Path, public_key: Path | None = None, require_signat
         raise ArtifactError(f"{folder}: {problem}")
     files = artifact.manifest["files"]
     _check_tree(folder, set(files))
-    artifact.verify(use_cache=False)  # a check on demand hashes every byte
+    if rehash:
+        artifact.verify(use_cache=False)  # a check on demand hashes every byte
     notes = [f"schema {SCHEMA_VERSION}, {len(files)} files, sha256 and size of each"]
     models = {e["model"] for e in artifact.manifest["variants"].values() if isinstance(e.get("model"), str)}
     onnx_files = sorted({name for name in files if name.endswith(".onnx")} | models)
@@ -281,7 +277,7 @@ def check_integrity(folder: Path, public_key: Path | None = None, require_signat
         _check_external_data(folder, name, files)
     notes.append(f"external data of {len(onnx_files)} ONNX file(s) inside the artifact and within its files")
     notes.append(_check_signature(folder, public_key, require_signature))
-    return notes
+    return artifact.manifest, notes
 
 
 def _check_tree(folder: Path, listed: set[str]) -> None:
@@ -344,12 +340,23 @@ class Fit:
     reason: str = ""
 
 
-def host_fit(folder: Path, manifest: dict[str, Any]) -> list[Fit]:
+def host_fit(manifest: dict[str, Any]) -> list[Fit]:
     """For every variant: what it needs from this host, what the host has, and whether it runs here."""
-    return [_fit(folder, name, entry, manifest) for name, entry in manifest["variants"].items()]
+    return [_fit(name, entry, manifest) for name, entry in manifest["variants"].items()]
 
 
-def _fit(folder: Path, name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> Fit:
+def require_fit(fits: list[Fit], variant: str | None) -> None:
+    """Refuse unless `variant` (or, without one, any variant) runs on this host."""
+    wanted = [f for f in fits if f.variant == variant] if variant else fits
+    if variant and not wanted:
+        names = ", ".join(f.variant for f in fits)
+        raise IncompatibleArtifact(f"the artifact has no variant {variant!r}; it has {names}")
+    if not any(f.fits for f in wanted):
+        reasons = "; ".join(f"{f.variant}: {f.reason}" for f in wanted)
+        raise IncompatibleArtifact(f"no variant of the artifact runs on this host ({reasons})")
+
+
+def _fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> Fit:
     target = entry.get("target", "?")
     if entry.get("status") != "built":
         why = entry.get("reason") or ", ".join(entry.get("failed_gates", [])) or entry.get("status", "?")
@@ -367,7 +374,7 @@ def _fit(folder: Path, name: str, entry: dict[str, Any], manifest: dict[str, Any
         import onnxruntime
     except ImportError:
         return Fit(name, target, needs, "onnxruntime not installed", False, "install kiln[cpu] or kiln[gpu]")
-    here = _version(onnxruntime.__version__)
+    here = version_tuple(onnxruntime.__version__)
     providers = ", ".join(p.removesuffix("ExecutionProvider") for p in onnxruntime.get_available_providers())
     fits = here[:2] >= needed
     return Fit(name, target, needs, f"onnxruntime {onnxruntime.__version__} ({providers})", fits,
@@ -392,27 +399,19 @@ def _engine_fit(name: str, engine: dict[str, Any]) -> Fit:
     return Fit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}, {gpu} ({capability})", True)
 
 
-def _version(text: str) -> tuple[int, ...]:
-    parts = []
-    for part in text.split(".")[:3]:
-        digits = "".join(c for c in part if c.isdigit())
-        if not digits:
-            break
-        parts.append(int(digits))
-    return tuple(parts)
-
-
-@contextlib.contextmanager
-def opened(path: Path, public_key: Path | None = None, require_signature: bool = False) -> Iterator[Path]:
-    """An artifact folder to check: the folder itself, or an archive unpacked (checked) into a temporary one."""
+def verify(path: Path, public_key: Path | None = None, require_signature: bool = False) -> tuple[list[str], list[Fit]]:
+    """`kiln verify`: an artifact folder, or an archive unpacked (checked) into a temporary folder;
+    returns the notes of what was checked and what each variant needs from this host."""
     if path.is_dir():
-        yield path
-        return
+        manifest, notes = check_integrity(path, public_key, require_signature)
+        return notes, host_fit(manifest)
     if not path.is_file():
         raise ArtifactError(f"{path}: no such artifact folder or .kiln file")
     with tempfile.TemporaryDirectory(prefix="kiln-verify-") as temporary:
-        unpack(path, Path(temporary) / "artifact", public_key, require_signature)
-        yield Path(temporary) / "artifact"
+        folder = Path(temporary) / "artifact"
+        unpack(path, folder, public_key, require_signature)
+        manifest, notes = check_integrity(folder, public_key, require_signature, rehash=False)
+    return notes, host_fit(manifest)
 
 
 # -- install and rollback -------------------------------------------------------------------------
@@ -437,17 +436,16 @@ def install(archive: Path, into: Path, public_key: Path | None = None, require_s
 
 def _install_locked(archive: Path, into: Path, public_key: Path | None, require_signature: bool,
                     variant: str | None) -> Path:
-    for name in ("current", "previous", "versions"):
-        path = into / name
-        if os.path.lexists(path) and not (stat.S_ISLNK(os.lstat(path).st_mode) or name == "versions"):
+    for name in ("current", "previous"):
+        if os.path.lexists(into / name) and not os.path.islink(into / name):
             raise ArtifactError(f"{into}: {name} exists and is not a link Kiln made; move it away first")
     if os.path.islink(into / "versions"):
         raise ArtifactError(f"{into}: versions is a link; Kiln keeps its versions in a real folder")
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=into))
     try:
         manifest = unpack(archive, staging / "artifact", public_key, require_signature)
-        check_integrity(staging / "artifact", public_key, require_signature)
-        _require_fit(staging / "artifact", manifest, variant)
+        check_integrity(staging / "artifact", public_key, require_signature, rehash=False)
+        require_fit(host_fit(manifest), variant)
         identity = hashlib.sha256((staging / "artifact" / MANIFEST).read_bytes()).hexdigest()[:12]
         version = into / "versions" / f"{manifest['name']}-{identity}"
         version.parent.mkdir(exist_ok=True)
@@ -473,17 +471,6 @@ def _place(staging: Path, version: Path) -> None:
             aside = staging / "replaced"
             os.rename(version, aside)
     os.rename(staging / "artifact", version)
-
-
-def _require_fit(folder: Path, manifest: dict[str, Any], variant: str | None) -> None:
-    fits = host_fit(folder, manifest)
-    wanted = [f for f in fits if f.variant == variant] if variant else fits
-    if variant and not wanted:
-        names = ", ".join(f.variant for f in fits)
-        raise IncompatibleArtifact(f"the artifact has no variant {variant!r}; it has {names}")
-    if not any(f.fits for f in wanted):
-        reasons = "; ".join(f"{f.variant}: {f.reason}" for f in wanted)
-        raise IncompatibleArtifact(f"no variant of the artifact runs on this host ({reasons})")
 
 
 def rollback(into: Path) -> Path:

@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from .artifact import version_tuple
 from .backend import expand, with_leading_slot
 from .errors import IncompatibleArtifact, KilnError
 
@@ -36,13 +37,9 @@ class ShapeOutsideProfiles(KilnError):
 CROSS_MAJOR = {(8, 10), (10, 11)}  # (built with, runs on) for version-compatible engines
 
 
-def _version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(p) for p in version.split(".")[:3] if p.isdigit())
-
-
 def check_host(engine: dict[str, Any], tensorrt_version: str, compute_capability: str, gpu: str = "") -> None:
     """Refuse an engine this host cannot run, naming the engine's value and the host's."""
-    built, here = _version_tuple(engine["tensorrt_version"]), _version_tuple(tensorrt_version)
+    built, here = version_tuple(engine["tensorrt_version"]), version_tuple(tensorrt_version)
     if engine.get("version_compatible"):
         # Later releases of the same major run it, and across majors 8 -> 10 and 10 -> 11 (support matrix).
         if here < built or (here[0] != built[0] and (built[0], here[0]) not in CROSS_MAJOR):
@@ -53,7 +50,7 @@ def check_host(engine: dict[str, Any], tensorrt_version: str, compute_capability
         raise IncompatibleArtifact(
             f"engine built with TensorRT {engine['tensorrt_version']}, this host has TensorRT {tensorrt_version}; "
             "rebuild it here or build with engine.version_compatible: true")
-    cc_built, cc_here = _version_tuple(engine["compute_capability"]), _version_tuple(compute_capability)
+    cc_built, cc_here = version_tuple(engine["compute_capability"]), version_tuple(compute_capability)
     level = engine.get("hardware_compatibility", "none")
     fits = cc_here >= (8, 0) if level == "ampere_plus" else cc_here == cc_built
     if not fits:

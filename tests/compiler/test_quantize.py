@@ -148,8 +148,8 @@ def test_each_variant_calibrates_on_its_own_file(tiny_checkpoints, tmp_path):
                 "  - {name: plain, target: onnxruntime, precision: fp16}\n")
     recipe, base = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], variants=variants))
     tokenizer = AutoTokenizer.from_pretrained(tiny_checkpoints["llama"])
-    data = _validation_data(recipe, base, SimpleNamespace(tokenizer=tokenizer))
     encode = lambda text: tokenizer(text)["input_ids"]  # noqa: E731
+    data = _validation_data(recipe, base, SimpleNamespace(encode=encode, pad_id=0))  # the eager side's tokenizer
     assert data.calibration["qa"] == [encode("alpha alpha")] * 8
     assert data.calibration["qb"] == [encode("omega omega")] * 8
     assert len(data.calibration["plain"]) == 32  # the shipped default set
