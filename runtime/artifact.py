@@ -117,6 +117,12 @@ class Artifact:
     def tokenizer_dir(self) -> Path:
         return self.folder / "tokenizer"
 
+    @property
+    def generation_config(self) -> dict[str, Any]:
+        """tokenizer/generation_config.json, or {} where the checkpoint had none."""
+        path = self.tokenizer_dir / "generation_config.json"
+        return json.loads(path.read_text()) if path.is_file() else {}
+
 
 class _HashCache:
     """{absolute path: [size, mtime_ns, ctime_ns, inode, device, sha256]} of files hashed before."""

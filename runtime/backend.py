@@ -8,6 +8,14 @@ the two forms the interface's `kv_sharing` names:
   and bound as both past and present, so ONNX Runtime writes this step's keys and values into it
   in place and the cache is never copied.
 
+Besides run, the protocol every backend follows (ONNX Runtime here, TensorRT in tensorrt_backend.py):
+    new_cache(batch, capacity)                     an empty cache
+    keep_rows(cache, rows, front=0, capacity=None) a new cache of some rows, in any order, repeated
+                                                   (forks) or empty (-1); slots added or dropped in front
+    write_rows(cache, rows, source, source_rows)   rows of another cache copied in, right-aligned
+    limits                                         what the backend takes beyond the manifest's bounds
+Every cache knows `length`, the slots in use: the attention mask's width at its last step.
+
 An interface with `leading_kv_slot` (tensorrt variants) keeps one masked slot at the front of every
 cache, so past is never 0 long: TensorRT profiles cannot take zero-length dimensions reliably. The
 backend adds the slot (zeros, mask 0) itself; callers never see it. Running the tensorrt graph here
@@ -17,12 +25,27 @@ with the slot checks the exact form the engine is driven in.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from .errors import IncompatibleArtifact
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What a backend takes, where it is less than the artifact allows (None: no bound of its own)."""
+
+    max_batch_size: int | None = None
+    max_prompt: int | None = None
+    max_context: int | None = None
+    # Feeding a prompt in pieces (chunked prefill), past > 0 with more than one new token: "any" batch,
+    # "one-row" (ONNX Runtime's GroupQueryAttention takes it for a batch of one only), or "none" (an
+    # engine's profiles are prefill or decode).
+    chunked_prefill: str = "any"
 
 
 def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
@@ -52,6 +75,28 @@ def _kv_order(names: list[str]) -> list[str]:
     return [n for pair in zip(keys, values, strict=True) for n in pair]
 
 
+class KvCache(list):
+    """A batch's KV cache: key and value per layer, each [batch, kv_heads, slots, head_dim], and `length`,
+    the slots in use. Plain form: the arrays hold exactly those slots (after the leading slot, where the
+    interface has one). Shared-buffer form: each array holds `capacity` slots, the first `length` in
+    use, and carries the IO binding that points ONNX Runtime at them (made on first use)."""
+
+    def __init__(self, arrays: list[np.ndarray], length: int = 0, shared: bool = False) -> None:
+        super().__init__(arrays)
+        self.length, self.shared = length, shared
+        self.binding: Any = None
+        self.values: list | None = None
+        self.seq: int | None = None  # the sequence length the logits output is bound for
+
+    @property
+    def batch(self) -> int:
+        return self[0].shape[0]
+
+    @property
+    def capacity(self) -> int | None:
+        return self[0].shape[2] if self.shared else None
+
+
 class OnnxRuntimeBackend:
     def __init__(self, model_path: Path, interface: dict[str, Any], providers: list[str] | None = None,
                  threads: int | None = None) -> None:
@@ -79,37 +124,63 @@ class OnnxRuntimeBackend:
         self.vocab_size = interface["vocab_size"]
         self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
         self.shared = interface.get("kv_sharing", "none") == "shared-buffer"
-        self.leading_slot = bool(interface.get("leading_kv_slot"))
+        self.lead = int(bool(interface.get("leading_kv_slot")))
+        self.limits = Limits(chunked_prefill="one-row" if self.shared else "any")
 
-    def new_cache(self, batch: int, capacity: int) -> list[np.ndarray]:
+    def new_cache(self, batch: int, capacity: int) -> KvCache:
         """An empty cache for `batch` rows; a shared-buffer cache holds up to `capacity` slots."""
-        length = capacity if self.shared else int(self.leading_slot)
-        arrays = [np.zeros((batch, self.kv_heads, length, self.head_dim), self.kv_dtype) for _ in self.past_names]
-        return _BoundCache(arrays) if self.shared else arrays
+        slots = capacity if self.shared else self.lead
+        arrays = [np.zeros((batch, self.kv_heads, slots, self.head_dim), self.kv_dtype) for _ in self.past_names]
+        return KvCache(arrays, 0, self.shared)
 
-    def keep_rows(self, cache: list[np.ndarray], rows: list[int]) -> list[np.ndarray]:
-        kept = [np.ascontiguousarray(layer[rows]) for layer in cache]
-        return _BoundCache(kept) if self.shared else kept
+    def keep_rows(self, cache: KvCache, rows: Sequence[int], front: int = 0, capacity: int | None = None) -> KvCache:
+        """A cache of these rows of `cache`, in this order: a row may repeat (sequences forked from one
+        prompt) and -1 is an empty row. front > 0 puts that many empty slots before the first one,
+        front < 0 drops the first -front slots (pads in every row). Shared buffers get `capacity` slots
+        (default: as many as before)."""
+        cache = self._cache(cache)
+        capacity = capacity or cache.capacity
+        if self.shared and front < 0 and capacity == cache.capacity and list(rows) == list(range(cache.batch)):
+            for array in cache:  # the same rows, moved to the front of the same buffers: no new memory
+                for row in array:
+                    row[:, :cache.length + front] = row[:, -front:cache.length]
+            cache.length += front
+            return cache
+        kept = rows_of(list(cache), rows, self.lead, cache.length, front, capacity if self.shared else None)
+        return KvCache(kept, cache.length + front, self.shared)
+
+    def write_rows(self, cache: KvCache, rows: Sequence[int], source: KvCache, source_rows: Sequence[int]) -> KvCache:
+        """Copy `source_rows` of `source` into `rows` of `cache`, in place, newest slots aligned."""
+        write_right_aligned(list(cache), rows, cache.length, list(source), source_rows, source.length, self.lead)
+        return cache
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-            cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+            cache: list[np.ndarray]) -> tuple[np.ndarray, KvCache]:
+        cache = self._cache(cache)
         if self.shared:
             return self._run_in_place(input_ids, attention_mask, position_ids, cache)
-        if self.leading_slot:
+        if self.lead:
             attention_mask = with_leading_slot(attention_mask)
         feed = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         feed.update(zip(self.past_names, cache, strict=True))
         logits, *present = self.session.run(self.output_names, feed)
-        return logits, present
+        return logits, KvCache(present, attention_mask.shape[1] - self.lead)
+
+    def close(self) -> None:
+        self.session = None
+
+    def _cache(self, cache: list[np.ndarray]) -> KvCache:
+        """Arrays from elsewhere (a caller's own list) as a cache: their slots are all in use."""
+        if isinstance(cache, KvCache):
+            return cache
+        return KvCache(list(cache), 0 if self.shared else cache[0].shape[2] - self.lead, self.shared)
 
     def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
-                      cache: list[np.ndarray]) -> tuple[np.ndarray, list[np.ndarray]]:
+                      cache: KvCache) -> tuple[np.ndarray, KvCache]:
         import onnxruntime as ort
 
-        if attention_mask.shape[1] > cache[0].shape[2]:
-            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache[0].shape[2]}")
-        if not isinstance(cache, _BoundCache):  # arrays from elsewhere: bind them once, from now on
-            cache = _BoundCache(cache)
+        if attention_mask.shape[1] > cache.capacity:
+            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
         if cache.binding is None:  # once per cache: the buffers stay bound for every step
             cache.binding = self.session.io_binding()
             # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present.
@@ -128,17 +199,37 @@ class OnnxRuntimeBackend:
                             ("position_ids", position_ids)):
             cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
         self.session.run_with_iobinding(cache.binding)
+        cache.length = attention_mask.shape[1]
         return cache.binding.get_outputs()[0].numpy().copy(), cache  # a copy: the next run writes the same buffer
+
+
+def rows_of(arrays: list[np.ndarray], rows: Sequence[int], lead: int, length: int, front: int,
+            capacity: int | None) -> list[np.ndarray]:
+    """keep_rows on host arrays of [batch, kv_heads, lead + slots, head_dim]: new arrays, each with
+    `capacity` slots, or exactly lead + length + front."""
+    rows = np.asarray(rows, np.int64)
+    taken = rows >= 0
+    source = slice(lead + max(0, -front), lead + length)
+    target = slice(lead + max(0, front), lead + length + front)
+    slots = capacity if capacity is not None else lead + length + front
+    out = []
+    for array in arrays:
+        kept = np.zeros((len(rows), array.shape[1], slots, array.shape[3]), array.dtype)
+        kept[taken, :, target] = array[rows[taken], :, source]
+        out.append(kept)
+    return out
+
+
+def write_right_aligned(arrays: list[np.ndarray], rows: Sequence[int], length: int, sources: list[np.ndarray],
+                        source_rows: Sequence[int], source_length: int, lead: int) -> None:
+    """write_rows on host arrays: the source rows' `source_length` slots become the last ones in use."""
+    if source_length > length:
+        raise ValueError(f"rows of {source_length} slots do not fit a cache of {length}; add slots in front first")
+    target = slice(lead + length - source_length, lead + length)
+    for array, source in zip(arrays, sources, strict=True):
+        array[list(rows), :, target] = source[list(source_rows), :, lead:lead + source_length]
 
 
 def with_leading_slot(attention_mask: np.ndarray) -> np.ndarray:
     """The mask over [leading slot, cache..., new tokens]: the slot is always masked out."""
     return np.concatenate([np.zeros((len(attention_mask), 1), np.int64), attention_mask], axis=1)
-
-
-class _BoundCache(list):
-    """Shared KV buffers plus the IO binding that points ONNX Runtime at them, made on first use."""
-
-    binding: Any = None
-    values: list | None = None
-    seq: int | None = None  # the sequence length the logits output is bound for

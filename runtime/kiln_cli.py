@@ -3,6 +3,7 @@
     kiln compile RECIPE ...        = compile-model (needs the compiler extra)
     kiln compare A B ...           = compare-model (needs the compiler extra)
     kiln run ARTIFACT ...          = run-model
+    kiln serve ARTIFACT [--port N] ...  the OpenAI API (completions, chat) with continuous batching
     kiln pack ARTIFACT -o NAME.kiln [--sign-key KEY]
     kiln verify NAME.kiln|DIR [--public-key KEY] [--require-signature] [--variant V]
     kiln install NAME.kiln --into DIR [--public-key KEY] [--require-signature] [--variant V]
@@ -57,6 +58,51 @@ def _forward(name: str, module: str, attribute: str, help_text: str) -> None:
 _forward("compile", "compiler.cli", "main", "Compile a recipe (compile-model).")
 _forward("compare", "compiler.cli", "compare_main", "Compare two models (compare-model).")
 _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
+
+
+@kiln.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--variant", help="Variant to serve [default: the first built one].")
+@click.option("--host", default="127.0.0.1", show_default=True,
+              help="Address to listen on (0.0.0.0 for every interface).")
+@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any free port, printed).")
+@click.option("--max-batch-size", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Most sequences decoded together; more requests wait in the queue.")
+@click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
+              help="Most requests waiting for a row; past it a request gets 429 with Retry-After.")
+@click.option("--max-prefill-tokens", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Most prompt tokens run between two decode steps (longer prompts go in pieces where the "
+                   "variant allows): bounds how long a burst of prompts stalls the running requests.")
+@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads [default: all cores].")
+@click.option("--api-key", envvar="KILN_API_KEY",
+              help="Require 'Authorization: Bearer KEY' on /v1 routes (or set KILN_API_KEY).")
+@click.option("--model-name", help="The model id clients send [default: the artifact's name].")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
+              help="On SIGTERM or Ctrl-C, seconds to let running requests finish before aborting them.")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
+def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_size: int, max_queue: int,
+          max_prefill_tokens: int, threads: int | None, api_key: str | None, model_name: str | None,
+          drain_timeout: float, no_verify: bool) -> None:
+    """Serve ARTIFACT over the OpenAI API: POST /v1/completions and /v1/chat/completions (streaming or
+    not), GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the model:
+    a request that arrives while others decode joins the running batch at the next step.
+
+    Exit codes: 0 after a drain (SIGTERM, Ctrl-C); 1 when the model fails to load; 2 for a missing or
+    modified artifact, an unknown variant or a port that cannot be bound."""
+    try:
+        from .server import ServeConfig
+        from .server import serve as run_server
+    except ImportError as exc:
+        click.echo(f"kiln serve: error: a server dependency is missing ({exc.name}); reinstall kiln", err=True)
+        sys.exit(2)
+    config = ServeConfig(artifact, variant, host, port, max_batch_size, max_queue, max_prefill_tokens, threads,
+                         api_key, model_name, drain_timeout, not no_verify)
+    try:
+        code = run_server(config)
+    except KilnError as exc:
+        click.echo(f"kiln serve: error: {exc}", err=True)
+        sys.exit(2)
+    sys.exit(code)
 
 
 @kiln.command()

@@ -1,8 +1,8 @@
 """Choosing the next token on numpy: greedy, or sampling through the logits processors transformers
 applies, in its order: repetition penalty, temperature, top-k, top-p, min-p.
 
-Each request has its own numpy Generator seeded from its seed, so a seeded request draws the same
-tokens whatever else shares its batch.
+Each sequence has its own numpy Generator seeded from its request's seed, so a seeded request draws
+the same tokens whatever else shares its batch.
 """
 
 from __future__ import annotations
@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
+
+MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list, as the OpenAI API allows
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,10 @@ class SamplingParams:
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False  # for benchmarks: always generate max_new_tokens
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end the sequence like EOS does
+    min_tokens: int = 0  # neither EOS, a stop token nor a stop string ends a sequence before this many
+    logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
+    n: int = 1  # sequences per prompt, forked from one prefill
 
     def problem(self) -> str | None:
         """What is wrong with these values, in one line, or None."""
@@ -34,12 +40,22 @@ class SamplingParams:
             (0 <= self.min_p < 1, f"min_p must be in [0, 1), got {self.min_p}"),
             (self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}"),
             (all(self.stop), "stop strings must not be empty"),
+            (0 <= self.min_tokens <= self.max_new_tokens,
+             f"min_tokens must be in [0, max_new_tokens={self.max_new_tokens}], got {self.min_tokens}"),
+            (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
+             f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
+            (self.n >= 1, f"n must be >= 1, got {self.n}"),
         )
         return next((message for ok, message in checks if not ok), None)
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply to the logits first: the batch's argmax is this row's token."""
+        return self.greedy and self.repetition_penalty == 1.0 and self.min_tokens == 0
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:
@@ -54,7 +70,9 @@ def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: floa
 
 def filtered_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution a sampled token is drawn from, after temperature, top-k, top-p and min-p."""
-    scores = logits.astype(np.float64) / params.temperature
+    scores = logits.astype(np.float64)
+    # Shift before dividing: a tiny temperature then sends the others to -inf, never inf - inf = NaN.
+    scores = (scores - scores.max()) / params.temperature
     if 0 < params.top_k < scores.size:
         kth = np.partition(scores, -params.top_k)[-params.top_k]
         scores = np.where(scores < kth, -np.inf, scores)
@@ -77,6 +95,23 @@ def next_token(logits: np.ndarray, history: np.ndarray, params: SamplingParams, 
         return int(np.argmax(logits))
     probs = filtered_probabilities(logits, params)
     return int(rng.choice(probs.size, p=probs))
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    scores = logits.astype(np.float64)
+    shifted = scores - scores.max()
+    return shifted - np.log(np.exp(shifted).sum())
+
+
+def token_logprobs(logits: np.ndarray, token: int, top: int) -> tuple[float, list[tuple[int, float]]]:
+    """The chosen token's log-probability under the model's distribution for this position, and the
+    `top` most likely tokens with theirs, most likely first."""
+    logprobs = log_softmax(logits)
+    best: list[tuple[int, float]] = []
+    if top:
+        candidates = np.argpartition(-logprobs, top - 1)[:top]
+        best = [(int(i), float(logprobs[i])) for i in candidates[np.argsort(-logprobs[candidates], kind="stable")]]
+    return float(logprobs[token]), best
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:

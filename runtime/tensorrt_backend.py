@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from .artifact import version_tuple
-from .backend import expand, with_leading_slot
+from .backend import Limits, expand, rows_of, with_leading_slot, write_right_aligned
 from .errors import IncompatibleArtifact, KilnError
 
 
@@ -155,9 +155,11 @@ class TensorRTBackend:
         self.vocab_size = interface["vocab_size"]
         self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
         by_name = {p["name"]: p["shapes"] for p in self.profiles}
-        self.max_batch_size = by_name["decode"]["input_ids"][2][0]
-        self.max_prompt = by_name["prefill"]["input_ids"][2][1]
-        self.max_context = by_name["decode"]["attention_mask"][2][1] - 1  # less the leading slot
+        # Profiles are prefill (past = the leading slot) or decode (one new token): no prompt in pieces.
+        self.limits = Limits(max_batch_size=by_name["decode"]["input_ids"][2][0],
+                             max_prompt=by_name["prefill"]["input_ids"][2][1],
+                             max_context=by_name["decode"]["attention_mask"][2][1] - 1,  # less the leading slot
+                             chunked_prefill="none")
         self.profile_index: int | None = None
         self.logits = cuda.DeviceArray(shape=(1,), dtype=device_dtype(np.float32))
 
@@ -165,29 +167,47 @@ class TensorRTBackend:
         return _EngineCache.zeros(self.cuda, batch, len(self.past_names), self.kv_heads, capacity + 1,
                                   self.head_dim, self.kv_dtype, self.stream)
 
-    def keep_rows(self, cache: _EngineCache, rows: list[int]) -> _EngineCache:
-        """Rows leave the batch rarely (a finished request): a round trip through the host is fine."""
-        kept = _EngineCache.zeros(self.cuda, len(rows), len(self.past_names), self.kv_heads, cache.capacity,
-                                  self.head_dim, self.kv_dtype, self.stream)
-        pending = []  # host arrays stay alive until the stream has copied them
-        for source, target in zip(cache.current, kept.current, strict=True):
-            host = source.view(shape=cache.shape(cache.length), dtype=device_dtype(self.kv_dtype)).copy_to(
-                np.empty(cache.shape(cache.length), self.kv_dtype), self.stream)
-            self.stream.synchronize()
-            pending.append(np.ascontiguousarray(host[rows]))
-            target.copy_from(pending[-1], self.stream)
-        self.stream.synchronize()
-        kept.length = cache.length
+    def keep_rows(self, cache: _EngineCache, rows: list[int], front: int = 0,
+                  capacity: int | None = None) -> _EngineCache:
+        """The backend protocol's keep_rows (backend.py), through the host: the engine calls it only when
+        the batch needs more rows or columns, or drops free rows or padding."""
+        kept = rows_of(self._download(cache), rows, 1, cache.length, front, None)
+        target = _EngineCache.zeros(self.cuda, len(rows), len(self.past_names), self.kv_heads,
+                                    (capacity or cache.capacity) + 1, self.head_dim, self.kv_dtype, self.stream)
+        self._upload(kept, target)
         cache.free()
-        return kept
+        return target
+
+    def write_rows(self, cache: _EngineCache, rows: list[int], source: _EngineCache,
+                   source_rows: list[int]) -> _EngineCache:
+        """The backend protocol's write_rows, through the host (a join: a few rows of a new prefill)."""
+        arrays = self._download(cache)
+        write_right_aligned(arrays, rows, cache.length, self._download(source), source_rows, source.length, 1)
+        self._upload(arrays, cache)
+        return cache
+
+    def _download(self, cache: _EngineCache) -> list[np.ndarray]:
+        """The cache's tensors on the host, [batch, kv_heads, slots, head_dim] each, the leading slot included."""
+        shape = cache.shape(cache.slots)
+        arrays = [buffer.view(shape=shape, dtype=device_dtype(self.kv_dtype)).copy_to(
+            np.empty(shape, self.kv_dtype), self.stream) for buffer in cache.current]
+        self.stream.synchronize()
+        return arrays
+
+    def _upload(self, arrays: list[np.ndarray], cache: _EngineCache) -> None:
+        """copy_from fills the start of each buffer: the [batch, kv_heads, slots, head_dim] tensor."""
+        for array, buffer in zip(arrays, cache.current, strict=True):
+            buffer.copy_from(np.ascontiguousarray(array), self.stream)
+        self.stream.synchronize()  # the host arrays may go once the copies are done
+        cache.slots = arrays[0].shape[2]
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: _EngineCache) -> tuple[np.ndarray, _EngineCache]:
         batch, seq = input_ids.shape
         mask = with_leading_slot(attention_mask)
-        past = cache.length
-        if past + seq > cache.capacity:
-            raise ValueError(f"{past + seq} slots do not fit the KV buffers' {cache.capacity}")
+        past = cache.slots
+        if past + seq > cache.buffer_slots:
+            raise ValueError(f"{past + seq} slots do not fit the KV buffers' {cache.buffer_slots}")
         shapes = {"input_ids": input_ids.shape, "attention_mask": mask.shape, "position_ids": position_ids.shape}
         shapes.update({name: cache.shape(past) for name in self.past_names})
         index = pick_profile(self.profiles, shapes)
@@ -227,13 +247,23 @@ class TensorRTBackend:
 
 
 class _EngineCache:
-    """Per KV tensor two device buffers of [batch, kv_heads, capacity, head_dim]: `current` holds the
-    cache (as a [batch, kv_heads, length, head_dim] tensor at its start), `spare` receives present."""
+    """Per KV tensor two device buffers of [batch, kv_heads, buffer_slots, head_dim]: `current` holds the
+    cache (as a [batch, kv_heads, slots, head_dim] tensor at its start), `spare` receives present.
+    `length` and `capacity` are the backend protocol's: slots less the leading one."""
 
-    def __init__(self, current: list, spare: list, batch: int, kv_heads: int, capacity: int, head_dim: int) -> None:
+    def __init__(self, current: list, spare: list, batch: int, kv_heads: int, buffer_slots: int,
+                 head_dim: int) -> None:
         self.current, self.spare = current, spare
-        self.batch, self.kv_heads, self.capacity, self.head_dim = batch, kv_heads, capacity, head_dim
-        self.length = 1  # the leading masked slot
+        self.batch, self.kv_heads, self.buffer_slots, self.head_dim = batch, kv_heads, buffer_slots, head_dim
+        self.slots = 1  # the leading masked slot
+
+    @property
+    def length(self) -> int:
+        return self.slots - 1
+
+    @property
+    def capacity(self) -> int:
+        return self.buffer_slots - 1
 
     @classmethod
     def zeros(cls, cuda: Any, batch: int, count: int, kv_heads: int, capacity: int, head_dim: int, dtype: Any,
@@ -249,9 +279,9 @@ class _EngineCache:
     def shape(self, length: int) -> tuple[int, int, int, int]:
         return (self.batch, self.kv_heads, length, self.head_dim)
 
-    def swap(self, length: int) -> None:
+    def swap(self, slots: int) -> None:
         self.current, self.spare = self.spare, self.current
-        self.length = length
+        self.slots = slots
 
     def free(self) -> None:
         """Once, from keep_rows or when the cache is dropped (a stream abandoned, an error mid-batch)."""

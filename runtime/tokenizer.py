@@ -26,6 +26,24 @@ class Tokenizer:
     def decode(self, ids: list[int]) -> str:
         return self._fast.decode(ids, skip_special_tokens=True)
 
+    def token_text(self, token: int) -> str:
+        """One token as text, special tokens included (a piece of a UTF-8 character shows as U+FFFD)."""
+        return self._fast.decode([token], skip_special_tokens=False)
+
+    def token_bytes(self, token: int) -> list[int]:
+        """The bytes one token stands for: exact for byte-level BPE, whose pieces of characters have no
+        text of their own; the UTF-8 of its text otherwise."""
+        piece = self._fast.id_to_token(token)
+        if self._byte_level and piece is not None and all(c in _BYTE_OF_CHAR for c in piece):
+            return [_BYTE_OF_CHAR[c] for c in piece]
+        return list(self.token_text(token).encode())
+
+    @cached_property
+    def _byte_level(self) -> bool:
+        decoder = json.loads(self._fast.to_str()).get("decoder") or {}
+        kinds = [decoder.get("type")] + [d.get("type") for d in decoder.get("decoders", [])]
+        return "ByteLevel" in kinds
+
     @property
     def vocab(self) -> dict[str, int]:
         return self._fast.get_vocab(with_added_tokens=True)
@@ -62,6 +80,70 @@ class Tokenizer:
             raise ValueError(f"chat template failed: {exc}") from None
         # The template writes the special tokens itself, as transformers' apply_chat_template assumes.
         return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDecoder:
+    """The text a growing sequence of generated tokens adds, token by token, at a cost that does not
+    grow with the length generated: each token decodes a window of the last few tokens only.
+
+    The window starts on the prompt's last tokens, so a first token whose text depends on what is
+    before it (SentencePiece's leading space) decodes as it does in the whole text. Text is held back
+    while the window ends in part of a UTF-8 character (U+FFFD), until a later token completes it
+    (at most MAX_HELD tokens, so a model that emits broken bytes cannot make the window grow).
+    The scheme is the one TGI and vLLM use (prefix and read offsets).
+    """
+
+    PROMPT_CONTEXT = 5
+    MAX_HELD = 4  # a UTF-8 character has at most 4 bytes: a longer broken run is let out as U+FFFD
+
+    def __init__(self, tokenizer: Tokenizer, prompt: list[int]) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt[-self.PROMPT_CONTEXT:])
+        self.prefix, self.read = 0, len(self.ids)
+        self.prefix_text = tokenizer.decode(self.ids)
+
+    def add(self, token: int) -> str:
+        """The new text that `token` completes (often empty)."""
+        self.ids.append(token)
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if text == self.prefix_text:  # the token adds nothing (a special token skipped): move past it
+            self._slide()
+            return ""
+        if len(text) <= len(self.prefix_text):
+            return ""
+        if text.endswith("\ufffd") and len(self.ids) - self.read < self.MAX_HELD:
+            return ""
+        delta = text[len(self.prefix_text):]
+        self._slide()
+        return delta
+
+    def _slide(self) -> None:
+        """The tokens read so far become the new window's context."""
+        self.prefix, self.read = self.read, len(self.ids)
+        self.prefix_text = self.tokenizer.decode(self.ids[self.prefix:self.read])
+
+    def flush(self) -> str:
+        """Text still held back at the end of the sequence (an incomplete character shows as U+FFFD)."""
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        delta = text[len(self.prefix_text):] if len(text) > len(self.prefix_text) else ""
+        self.read, self.prefix_text = len(self.ids), text
+        return delta
+
+
+def _byte_table() -> dict[str, int]:
+    """GPT-2's bytes_to_unicode, inverted: byte-level BPE writes each byte as one printable character."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _byte_table()
 
 
 def _raise(message: str) -> None:

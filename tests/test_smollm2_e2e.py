@@ -104,3 +104,37 @@ def test_ship_the_real_model(smollm2_artifact, tmp_path):
     answer = run("run", tmp_path / "srv" / "current", "--chat", "--max-new-tokens", "12",
                  "--prompt", "What is the capital of France?")
     assert answer.returncode == 0 and "Paris" in answer.stdout, answer.stdout + answer.stderr
+
+
+def test_serve_the_real_model_to_the_openai_client(smollm2_artifact):
+    """kiln serve on SmolLM2: concurrent chat requests, streamed and not, answer as Generator does alone."""
+    import asyncio
+
+    from runtime.generator import Generator
+    from runtime.sampling import SamplingParams
+
+    from .runtime.test_server import Server
+
+    questions = ["What is the capital of France?", *PROMPTS[1:]]
+    chats = [[{"role": "user", "content": q}] for q in questions]
+    alone = [Generator.load(smollm2_artifact).generate([c], SamplingParams(max_new_tokens=24))[0] for c in chats]
+    server = Server(smollm2_artifact, "--api-key", "test-key", "--threads", "2")
+    try:
+        async def ask(client, chat, stream: bool) -> str:
+            if not stream:
+                answer = await client.chat.completions.create(model="smollm2-135m-instruct", messages=chat,
+                                                              max_tokens=24, temperature=0)
+                return answer.choices[0].message.content
+            pieces = [c.choices[0].delta.content or "" async for c in await client.chat.completions.create(
+                model="smollm2-135m-instruct", messages=chat, max_tokens=24, temperature=0, stream=True)]
+            return "".join(pieces)
+
+        async def everyone() -> list[str]:
+            async with server.client(asynchronous=True) as client:
+                return await asyncio.gather(*(ask(client, c, i % 2 == 1) for i, c in enumerate(chats * 2)))
+
+        answers = asyncio.run(everyone())
+    finally:
+        assert server.stop() == 0
+    assert answers == [r.text for r in alone] * 2
+    assert "Paris" in answers[0]

@@ -122,7 +122,7 @@ def test_runtime_never_imports_torch(tiny_artifacts):
         "import sys, json\n"
         "from runtime.generator import Generator\n"
         "from runtime.sampling import SamplingParams\n"
-        "import runtime.kiln_cli, runtime.ship, runtime.tensorrt_backend\n"
+        "import runtime.kiln_cli, runtime.ship, runtime.tensorrt_backend, runtime.server\n"
         f"runtime.ship.check_integrity(__import__('pathlib').Path({str(tiny_artifacts['llama'])!r}))\n"
         f"g = Generator.load({str(tiny_artifacts['llama'])!r})\n"
         "r = g.generate(['hello'], SamplingParams(max_new_tokens=3))[0]\n"

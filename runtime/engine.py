@@ -1,0 +1,581 @@
+"""The step-level engine: requests join and leave a running batch between steps (continuous batching).
+
+    add_request ──> waiting ──admit (free rows, prefill token budget)──> prefill batch
+                                                                            │ first tokens
+    step(): one forward pass, either                                        v
+      prefill  the admitted prompts (a long one in pieces)       join: copied into free rows
+      decode   one token for every running row                   running batch, a row per sequence
+    a finished or aborted sequence frees its row at once; events say what each step produced
+
+Why this layout. Kiln's graphs take one dense KV cache, [batch, kv_heads, slots, head_dim], with one
+slot count for all rows and an attention mask, and a step appends every row's new slot in the same
+column. So rows are kept right-aligned (left padding): each row's newest slot is the last column.
+Two designs fit that, and this engine takes from both:
+- TGI (causal_lm.py) concatenates a newly prefilled batch with the running one (`concatenate`, the
+  narrower padded on the left) and filters finished rows out (`filter`), dropping columns that are
+  padding in every row. Each join and each leave copies the whole cache. Measured on SmolLM2 at
+  batch 32, a copy costs about as much as a decode step, and under load some request joins or
+  leaves almost every step.
+- llama.cpp's server keeps a fixed set of slots, each with its own cache; a request takes a free
+  slot and only its own tokens are written.
+Here a finished row becomes a free row (its mask all zero; nothing is copied), and a joining
+sequence's prefilled slots are copied into a free row, right-aligned: only its own slots move, as
+in a llama.cpp slot. The whole cache is copied, TGI's way, only when the batch needs more rows than
+it has, when a prompt wider than the batch needs columns in front, when free rows would cost more
+decode work than one copy (compaction), or when columns that are padding in every row are dropped
+(a quarter of the width, or shared buffers out of room: in place, without new memory).
+
+Prefill goes first, so a new request waits at most one step for its first token, but no more than
+`max_prefill_tokens` prompt tokens run between two decode steps: a burst of long prompts cannot
+stall the running requests for long. A prompt longer than that budget is fed in pieces of it where
+the backend allows (Limits.chunked_prefill).
+
+Invariant (tested): whatever shares the batch, a greedy request gets the tokens it gets alone, and
+a seeded one draws the same tokens (each sequence has its own random generator).
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from collections import deque
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .backend import Limits
+from .sampling import SamplingParams, next_token, token_logprobs
+from .tokenizer import IncrementalDecoder, Tokenizer
+
+Prompt = str | list[int] | list[dict[str, str]]
+DEFAULT_PARAMS = SamplingParams()
+MIN_GROWTH = 64  # shared buffers grow by at least this many slots, and by half their width
+# Free rows are compacted away only after this many steps without a join: under load a finished
+# request's client sends its next one within milliseconds, and compacting, then growing the batch
+# again, would copy the whole cache twice for nothing.
+QUIET_STEPS = 16
+
+
+class RequestError(ValueError):
+    """A request that cannot be run, in one line (an empty prompt, a prompt past the context, ...)."""
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # the most likely tokens at this position and their logprobs
+
+
+@dataclass
+class Result:
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str = ""  # eos | stop | length | abort | error
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    error: str | None = None
+    time_to_first_token_s: float | None = None
+    total_s: float = 0.0
+    queue_s: float | None = None  # from arrival until its prefill started
+    logprobs: list[TokenLogprob] | None = None
+    alternatives: list[Result] = field(default_factory=list)  # Generator: sequences 2..n of an n > 1 request
+
+
+@dataclass(frozen=True)
+class Event:
+    """What one step did for one sequence: its new token, the text that completed (may be empty),
+    and on its last event the finish reason and the whole result."""
+
+    request_id: Any
+    token_id: int | None  # None for a request refused or aborted before its first token
+    text: str
+    finish_reason: str | None
+    result: Result | None = None
+    sequence: int = 0  # which of the request's n sequences
+    logprob: TokenLogprob | None = None
+
+    @property
+    def index(self) -> Any:
+        """Generator's name for the request id: the prompt's index."""
+        return self.request_id
+
+
+@dataclass
+class Request:
+    id: Hashable
+    prompt: list[int]
+    params: SamplingParams
+    arrival: float
+    admitted: float | None = None  # when its prefill started
+
+
+@dataclass
+class _Sequence:
+    request: Request
+    index: int
+    rng: np.random.Generator | None  # None for greedy: drawing OS entropy for it costs more than its step
+    decoder: IncrementalDecoder
+    result: Result
+    text: str = ""  # decoded so far, cut at a stop string
+    emitted: int = 0  # characters of text already in events
+    token: int = 0  # the newest token: fed to the model at the next decode step
+
+    @property
+    def params(self) -> SamplingParams:
+        return self.request.params
+
+
+@dataclass
+class _Batch:
+    """Rows right-aligned in the cache's `length` columns: row i holds its `lengths[i]` real slots
+    in the last columns; a free row (None) has length 0."""
+
+    cache: Any
+    rows: list[_Sequence | None]
+    lengths: np.ndarray
+
+    @property
+    def width(self) -> int:
+        return self.cache.length
+
+    @property
+    def live(self) -> np.ndarray:
+        return np.array([row is not None for row in self.rows])
+
+    def free_rows(self) -> list[int]:
+        return [i for i, row in enumerate(self.rows) if row is None]
+
+
+@dataclass
+class _Prefill:
+    """Admitted requests whose prompts are being fed, left-padded into one matrix of ids."""
+
+    requests: list[Request]
+    ids: np.ndarray
+    batch: _Batch
+    fed: int = 0  # columns of ids already run
+
+
+def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """ids and attention mask with every prompt's last token in the last column (0 marks a pad)."""
+    width = max(len(p) for p in prompts)
+    ids = np.full((len(prompts), width), pad_id, np.int64)
+    mask = np.zeros((len(prompts), width), np.int64)
+    for i, prompt in enumerate(prompts):
+        ids[i, width - len(prompt):], mask[i, width - len(prompt):] = prompt, 1
+    return ids, mask
+
+
+def right_aligned_mask(width: int, lengths: np.ndarray) -> np.ndarray:
+    """[rows, width] attention mask whose row i is 1 in its last lengths[i] columns."""
+    return (np.arange(width)[None, :] >= width - lengths[:, None]).astype(np.int64)
+
+
+class Engine:
+    def __init__(self, backend: Any, tokenizer: Tokenizer, eos_ids: set[int], max_context: int,
+                 max_batch_size: int = 32, max_prefill_tokens: int = 512, pad_id: int | None = None) -> None:
+        self.backend, self.tokenizer = backend, tokenizer
+        limits = getattr(backend, "limits", Limits())
+        self.max_batch_size = min(max_batch_size, limits.max_batch_size or max_batch_size)
+        self.max_context = min(max_context, limits.max_context or max_context)
+        self.max_prompt = min(limits.max_prompt or self.max_context - 1, self.max_context - 1)
+        self.max_width = limits.max_context  # an engine's profiles bound the mask's width too
+        self.chunked_prefill = limits.chunked_prefill
+        self.max_prefill_tokens = max_prefill_tokens
+        self.eos_ids = set(eos_ids)
+        self.pad_id = min(self.eos_ids, default=0) if pad_id is None else pad_id  # any valid id: pads are masked
+        self._lock = threading.Lock()  # add_request and abort may come from other threads than step
+        self._inbox: list[Request] = []
+        self._aborts: set[Hashable] = set()
+        self._ids = itertools.count()
+        self.waiting: deque[Request] = deque()
+        self.prefill: _Prefill | None = None
+        self.running: _Batch | None = None
+        self._aborted_in_prefill: set[Hashable] = set()
+        self._steps_since_join = 0
+        self._prefilled_since_decode = 0
+
+    # -- requests in ---------------------------------------------------------------------------
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        if prompt and all(isinstance(m, dict) for m in prompt):
+            return self.tokenizer.apply_chat_template(list(prompt))
+        return [int(t) for t in prompt]
+
+    def checked_prompt(self, prompt: Prompt, params: SamplingParams) -> list[int]:
+        """The prompt's token ids, or RequestError saying what is wrong with the request."""
+        problem = params.problem()
+        if problem:
+            raise RequestError(problem)
+        if params.n > self.max_batch_size:
+            raise RequestError(f"n is {params.n}; this engine runs at most {self.max_batch_size} sequences at once")
+        try:
+            ids = self.encode(prompt) if prompt else []
+        except ValueError as exc:  # a chat template's own check
+            raise RequestError(str(exc)) from None
+        if not ids:
+            raise RequestError("empty prompt")
+        if len(ids) >= self.max_context:
+            raise RequestError(f"prompt has {len(ids)} tokens; this artifact's max context is {self.max_context}")
+        if len(ids) > self.max_prompt:
+            raise RequestError(f"prompt has {len(ids)} tokens; this engine's prefill profile takes at most "
+                               f"{self.max_prompt}")
+        vocab = self.backend.vocab_size
+        if max(ids) >= vocab or min(ids) < 0:
+            raise RequestError(f"token ids must be in [0, {vocab})")
+        if any(not 0 <= t < vocab for t in params.stop_token_ids):
+            raise RequestError(f"stop_token_ids must be in [0, {vocab})")
+        return ids
+
+    def add_request(self, prompt: Prompt, params: SamplingParams = DEFAULT_PARAMS,
+                    request_id: Hashable | None = None) -> Hashable:
+        """Queue a request; it joins the running batch at a coming step. Raises RequestError."""
+        ids = self.checked_prompt(prompt, params)
+        request = Request(next(self._ids) if request_id is None else request_id, ids, params, time.perf_counter())
+        with self._lock:
+            self._inbox.append(request)
+        return request.id
+
+    def abort(self, request_id: Hashable) -> None:
+        """Stop a request; its rows are freed at the next step, which reports it with finish reason abort."""
+        with self._lock:
+            self._aborts.add(request_id)
+
+    def has_work(self) -> bool:
+        with self._lock:
+            pending = bool(self._inbox or self._aborts)
+        return pending or bool(self.waiting) or self.prefill is not None or self._live_rows() > 0
+
+    def stats(self) -> dict[str, int]:
+        """For metrics: sequences running, requests waiting, rows in the batch, KV slots used and held."""
+        batch, prefill = self.running, self.prefill  # read once: the engine thread may replace them meanwhile
+        rows = len(batch.rows) if batch else 0
+        with self._lock:
+            inbox = len(self._inbox)
+        prefilling = sum(r.params.n for r in prefill.requests) if prefill else 0
+        slots = (batch.cache.capacity or batch.width) if batch else 0
+        return {"running": self._live_rows() + prefilling, "waiting": len(self.waiting) + inbox,
+                "batch_rows": rows, "kv_slots_used": int(batch.lengths.sum()) if batch else 0,
+                "kv_slots_allocated": rows * slots}
+
+    # -- the step --------------------------------------------------------------------------------
+
+    def step(self) -> list[Event]:
+        """One forward pass (a prefill or a decode step) and the events it produced."""
+        events = self._take_new()
+        try:
+            events += self._forward()
+            self._compact()
+        except Exception as exc:  # noqa: BLE001 - outside any one forward pass: fail all in flight, start clean
+            events += self.fail_all(_describe(exc))
+        return events
+
+    def _forward(self) -> list[Event]:
+        if self._prefill_due():
+            group = self.prefill.requests
+            try:
+                return self._prefill_step()
+            except Exception as exc:  # noqa: BLE001 - a failed forward pass fails its requests, not the engine
+                self.prefill = None
+                return [self._failed(self._new_sequence(r, i), _describe(exc)) for r in group
+                        for i in range(r.params.n)]
+        if self._live_rows():
+            try:
+                return self._decode_step()
+            except Exception as exc:  # noqa: BLE001
+                events = [self._failed(row, _describe(exc)) for row in self.running.rows if row is not None]
+                self.running = None
+                return events
+        return []
+
+    def fail_all(self, message: str) -> list[Event]:
+        """End every request in flight with an error event; the engine is empty afterwards."""
+        requests = list(self.waiting) + (self.prefill.requests if self.prefill else [])
+        events = [self._failed(self._new_sequence(r, i), message) for r in requests for i in range(r.params.n)]
+        if self.running is not None:
+            events += [self._failed(row, message) for row in self.running.rows if row is not None]
+        self.waiting, self.prefill, self.running = deque(), None, None
+        return events
+
+    def _take_new(self) -> list[Event]:
+        with self._lock:
+            self.waiting.extend(self._inbox)
+            self._inbox, aborts, self._aborts = [], self._aborts, set()
+        if not aborts:
+            return []
+        events = []
+        for request in [r for r in self.waiting if r.id in aborts]:
+            self.waiting.remove(request)
+            events += [self._ended(self._new_sequence(request, i), "abort") for i in range(request.params.n)]
+        if self.prefill is not None:  # left in the prefill batch, dropped when its prompt is done
+            self._aborted_in_prefill |= {r.id for r in self.prefill.requests if r.id in aborts}
+        if self.running is not None:
+            for i, row in enumerate(self.running.rows):
+                if row is not None and row.request.id in aborts:
+                    events.append(self._ended(row, "abort"))
+                    self._free(i)
+        return events
+
+    def _prefill_due(self) -> bool:
+        if self.prefill is None and not self._admit():
+            return False
+        return self._live_rows() == 0 or self._prefilled_since_decode < self.max_prefill_tokens
+
+    def _admit(self) -> bool:
+        """Move waiting requests into a new prefill batch: as many rows as are free, first come first
+        served, within the prefill token budget (counted with padding), at least one request."""
+        room = self.max_batch_size - self._live_rows()
+        group, rows, width = [], 0, 0
+        for request in self.waiting:
+            wider = max(width, len(request.prompt))
+            if rows + request.params.n > room or (group and (len(group) + 1) * wider > self.max_prefill_tokens):
+                break
+            group.append(request)
+            rows, width = rows + request.params.n, wider
+        if not group:
+            return False
+        now = time.perf_counter()
+        for request in group:
+            request.admitted = now
+        ids, _ = left_padded([r.prompt for r in group], self.pad_id)
+        cache = self.backend.new_cache(len(group), width + self._growth(width))
+        for _ in group:  # only now: had the cache failed, they would still be waiting (and be failed there)
+            self.waiting.popleft()
+        self.prefill = _Prefill(group, ids, _Batch(cache, [None] * len(group), np.zeros(len(group), np.int64)))
+        self._aborted_in_prefill = set()
+        return True
+
+    def _prefill_step(self) -> list[Event]:
+        prefill = self.prefill
+        rows, width = prefill.ids.shape
+        chunkable = self.chunked_prefill == "any" or (self.chunked_prefill == "one-row" and rows == 1)
+        size = min(width - prefill.fed, self.max_prefill_tokens) if chunkable else width
+        start, end = prefill.fed, prefill.fed + size
+        prompt_lengths = np.array([len(r.prompt) for r in prefill.requests], np.int64)
+        lengths = np.clip(end - (width - prompt_lengths), 0, prompt_lengths)
+        positions = np.clip(lengths[:, None] - size + np.arange(size)[None, :], 0, None)
+        logits, prefill.batch.cache = self.backend.run(prefill.ids[:, start:end], right_aligned_mask(end, lengths),
+                                                       positions, prefill.batch.cache)
+        prefill.fed, prefill.batch.lengths = end, lengths
+        self._prefilled_since_decode += rows * size
+        if end < width:
+            return []
+        self.prefill = None
+        return self._first_tokens(prefill, logits[:, -1])
+
+    def _first_tokens(self, prefill: _Prefill, logits: np.ndarray) -> list[Event]:
+        """Each request's n sequences pick their first tokens from its prompt's logits; those that go on
+        join the running batch."""
+        events, joining, sources = [], [], []
+        for row, request in enumerate(prefill.requests):
+            if request.id in self._aborted_in_prefill:
+                events += [self._ended(self._new_sequence(request, i), "abort") for i in range(request.params.n)]
+                continue
+            for index in range(request.params.n):
+                sequence = self._new_sequence(request, index)
+                event = self._advance_guarded(sequence, logits, row)
+                events.append(event)
+                if event.finish_reason is None:
+                    joining.append(sequence)
+                    sources.append(row)
+        if joining:
+            self._join(prefill.batch, joining, sources)
+        return events
+
+    def _decode_step(self) -> list[Event]:
+        batch = self.running
+        self._make_room(batch, 1)
+        live = batch.live
+        feed = np.where(live, batch.lengths + 1, 1)  # a free row attends to its own pad: no empty softmax
+        tokens = np.array([[row.token if row is not None else self.pad_id] for row in batch.rows], np.int64)
+        positions = np.where(live, batch.lengths, 0)[:, None]
+        logits, batch.cache = self.backend.run(tokens, right_aligned_mask(batch.width + 1, feed), positions,
+                                               batch.cache)
+        batch.lengths = np.where(live, batch.lengths + 1, 0)
+        self._prefilled_since_decode = 0
+        logits = logits[:, -1]
+        events = []
+        for i, row in enumerate(batch.rows):
+            if row is None:
+                continue
+            event = self._advance_guarded(row, logits, i)
+            events.append(event)
+            if event.finish_reason is not None:
+                self._free(i)
+        return events
+
+    # -- tokens -----------------------------------------------------------------------------------
+
+    def _new_sequence(self, request: Request, index: int) -> _Sequence:
+        seed = request.params.seed
+        seed = None if seed is None else seed % 2**64  # any integer the API allows, negative ones too
+        rng = None if request.params.greedy else np.random.default_rng(seed if index == 0 or seed is None
+                                                                        else [seed, index])
+        result = Result(prompt_tokens=len(request.prompt), logprobs=[] if request.params.logprobs is not None
+                        else None, queue_s=(request.admitted or request.arrival) - request.arrival)
+        return _Sequence(request, index, rng, IncrementalDecoder(self.tokenizer, request.prompt), result)
+
+    def _advance_guarded(self, sequence: _Sequence, logits: np.ndarray, row: int) -> Event:
+        try:
+            return self._advance(sequence, self._pick(sequence, logits[row]), logits[row])
+        except Exception as exc:  # noqa: BLE001 - one request's failure ends that request alone
+            return self._failed(sequence, _describe(exc))
+
+    def _pick(self, sequence: _Sequence, logits: np.ndarray) -> int:
+        params, result = sequence.params, sequence.result
+        if params.plain_greedy:
+            return int(np.argmax(logits))
+        if result.generated_tokens < params.min_tokens:
+            logits = logits.copy()
+            banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
+            logits[banned] = -np.inf
+        # The history matters only to the repetition penalty; skip building it otherwise.
+        history = np.asarray(sequence.request.prompt + result.token_ids, np.int64) \
+            if params.repetition_penalty != 1.0 else np.empty(0, np.int64)
+        return next_token(logits, history, params, sequence.rng)
+
+    def _advance(self, sequence: _Sequence, token: int, logits: np.ndarray) -> Event:
+        params, result = sequence.params, sequence.result
+        if result.time_to_first_token_s is None:
+            result.time_to_first_token_s = time.perf_counter() - sequence.request.arrival
+        result.token_ids.append(token)
+        result.generated_tokens += 1
+        logprob = None
+        if params.logprobs is not None:
+            logprob = TokenLogprob(token, *token_logprobs(logits, token, params.logprobs))
+            result.logprobs.append(logprob)
+        sequence.token = token
+        may_stop = result.generated_tokens >= params.min_tokens
+        finish = None
+        if may_stop and token in params.stop_token_ids:
+            finish = "stop"
+        elif may_stop and token in self.eos_ids and not params.ignore_eos:
+            finish = "eos"
+        new_text = sequence.decoder.add(token)
+        sequence.text += new_text
+        cut = finish is None and may_stop and bool(params.stop) and self._cut_at_stop(sequence, len(new_text))
+        if cut:
+            finish = "stop"
+        elif finish is None and (result.generated_tokens >= params.max_new_tokens
+                                 or len(sequence.request.prompt) + result.generated_tokens >= self.max_context):
+            finish = "length"
+        if finish is not None and not cut:
+            sequence.text += sequence.decoder.flush()  # a character left incomplete at the end
+        return self._emit(sequence, token, finish, logprob)
+
+    def _cut_at_stop(self, sequence: _Sequence, new_chars: int) -> bool:
+        """Look for stop strings only where the new text could complete one, and cut the text there."""
+        longest = max(len(s) for s in sequence.params.stop)
+        start = max(0, len(sequence.text) - new_chars - longest + 1)
+        found = [i for i in (sequence.text.find(s, start) for s in sequence.params.stop) if i >= 0]
+        if not found:
+            return False
+        sequence.text = sequence.text[:min(found)]
+        return True
+
+    def _emit(self, sequence: _Sequence, token: int | None, finish: str | None,
+              logprob: TokenLogprob | None = None) -> Event:
+        # While running, hold back what could still turn out to start a stop string.
+        stops = sequence.params.stop
+        held = 0 if finish or not stops else max(len(s) for s in stops) - 1
+        stable = max(sequence.emitted, len(sequence.text) - held)
+        text, sequence.emitted = sequence.text[sequence.emitted:stable], stable
+        result = None
+        if finish is not None:
+            result = sequence.result
+            result.text, result.finish_reason = sequence.text, finish
+            result.total_s = time.perf_counter() - sequence.request.arrival
+        return Event(sequence.request.id, token, text, finish, result, sequence.index, logprob)
+
+    def _ended(self, sequence: _Sequence, reason: str) -> Event:
+        return self._emit(sequence, None, reason)
+
+    def _failed(self, sequence: _Sequence, message: str) -> Event:
+        sequence.result.error = message
+        return self._emit(sequence, None, "error")
+
+    # -- rows and columns ------------------------------------------------------------------------
+
+    def _live_rows(self) -> int:
+        batch = self.running  # read once (stats() calls this from other threads)
+        return 0 if batch is None else sum(row is not None for row in batch.rows)
+
+    def _free(self, row: int) -> None:
+        self.running.rows[row] = None
+        self.running.lengths[row] = 0
+
+    def _growth(self, width: int) -> int:
+        return max(MIN_GROWTH, width // 2)
+
+    def _join(self, prefilled: _Batch, sequences: list[_Sequence], sources: list[int]) -> None:
+        """Copy the prefilled rows `sources` into free rows of the running batch, one per sequence (a
+        forked prompt's row is copied once per sequence)."""
+        lengths = prefilled.lengths[sources]
+        self._steps_since_join = 0
+        running = self.running
+        if self._live_rows() == 0:
+            capacity = prefilled.width + self._growth(prefilled.width)
+            cache = self.backend.keep_rows(prefilled.cache, sources, 0, capacity)
+            self.running = _Batch(cache, list(sequences), lengths.copy())
+            return
+        free = running.free_rows()
+        missing = max(0, len(sequences) - len(free))
+        front = max(0, prefilled.width - running.width)
+        if missing or front:  # the one case a join copies the running cache: more rows, or wider
+            order = list(range(len(running.rows))) + [-1] * missing
+            width = running.width + front
+            capacity = max(running.cache.capacity or 0, width + self._growth(width))
+            running.cache = self.backend.keep_rows(running.cache, order, front, capacity)
+            running.rows += [None] * missing
+            running.lengths = np.concatenate([running.lengths, np.zeros(missing, np.int64)])
+            free = running.free_rows()
+        targets = free[:len(sequences)]
+        running.cache = self.backend.write_rows(running.cache, targets, prefilled.cache, sources)
+        for target, sequence, length in zip(targets, sequences, lengths, strict=True):
+            running.rows[target], running.lengths[target] = sequence, length
+
+    def _make_room(self, batch: _Batch, slots: int) -> None:
+        """Before a step that adds `slots` columns: drop the columns that are padding in every row when
+        they are a quarter of the width or room is short, and grow shared buffers that are still short."""
+        width, capacity = batch.width, batch.cache.capacity
+        padding = width - int(batch.lengths.max())
+        short = (capacity is not None and width + slots > capacity) or \
+            (self.max_width is not None and width + slots > self.max_width)
+        if padding and (short or padding >= max(1, width // 4)):
+            rows = list(range(len(batch.rows)))
+            batch.cache = self.backend.keep_rows(batch.cache, rows, -padding, capacity)
+            width -= padding
+        if capacity is not None and width + slots > capacity:
+            rows = list(range(len(batch.rows)))
+            batch.cache = self.backend.keep_rows(batch.cache, rows, 0, width + slots + self._growth(width))
+
+    def _compact(self) -> None:
+        """Drop free rows when decoding them until the batch ends would cost more than one copy of the
+        cache (about one decode step of the whole batch), nobody is waiting to take them, and nobody
+        has joined for QUIET_STEPS steps."""
+        batch = self.running
+        if batch is None:
+            return
+        live = [i for i, row in enumerate(batch.rows) if row is not None]
+        if not live:
+            self.running = None  # idle: let the cache go
+            return
+        free = len(batch.rows) - len(live)
+        self._steps_since_join += 1
+        if not free or self.waiting or self.prefill is not None or self._steps_since_join < QUIET_STEPS:
+            return
+        steps_left = max(batch.rows[i].params.max_new_tokens - batch.rows[i].result.generated_tokens for i in live)
+        if free * steps_left > len(batch.rows):
+            padding = batch.width - int(batch.lengths[live].max())
+            batch.cache = self.backend.keep_rows(batch.cache, live, -padding, batch.cache.capacity)
+            batch.rows, batch.lengths = [batch.rows[i] for i in live], batch.lengths[live]
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"

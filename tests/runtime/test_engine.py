@@ -1,0 +1,226 @@
+"""The step-level engine: rows joining and leaving between steps, on both KV cache forms."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from runtime.engine import RequestError
+from runtime.generator import Generator
+from runtime.sampling import SamplingParams, log_softmax
+
+VARIANTS = ["cpu-fp32", "cpu-fp32-unfused"]  # GroupQueryAttention over shared buffers, and the plain graph
+
+
+def _requests(count: int, seed: int = 0) -> tuple[list[list[int]], list[SamplingParams]]:
+    rng = np.random.default_rng(seed)
+    prompts = [[int(t) for t in rng.integers(1, 300, int(rng.integers(1, 40)))] for _ in range(count)]
+    params = [SamplingParams(max_new_tokens=int(rng.integers(1, 24)), ignore_eos=bool(i % 2)) for i in range(count)]
+    return prompts, params
+
+
+def _run_staggered(engine, prompts, params, arrivals) -> tuple[dict, list[int]]:
+    """Add request i at step arrivals[i]; returns each request's tokens and the batch's width per step."""
+    results, widths, step, added = {}, [], 0, 0
+    while added < len(prompts) or engine.has_work():
+        while added < len(prompts) and arrivals[added] <= step:
+            engine.add_request(prompts[added], params[added], request_id=added)
+            added += 1
+        for event in engine.step():
+            if event.result is not None:
+                results[event.request_id] = event.result
+        widths.append(engine.running.width if engine.running else 0)
+        step += 1
+    return results, widths
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("budget, batch", [(512, 32), (16, 6), (7, 3)])
+def test_staggered_arrivals_get_the_tokens_they_get_alone(tiny_artifacts, family, variant, budget, batch):
+    generator = Generator.load(tiny_artifacts[family], variant)
+    prompts, params = _requests(16, seed=len(family))
+    alone = [generator.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    engine = generator.engine
+    # A small prefill budget feeds long prompts in pieces; a small batch makes requests wait for rows.
+    engine.max_prefill_tokens, engine.max_batch_size = budget, batch
+    arrivals = sorted(np.random.default_rng(budget).integers(0, 30, len(prompts)))
+    results, _ = _run_staggered(engine, prompts, params, arrivals)
+    assert [results[i].token_ids for i in range(len(prompts))] == alone
+    assert all(results[i].finish_reason in ("eos", "length") for i in range(len(prompts)))
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_free_rows_are_reused_padding_dropped_and_idle_rows_compacted(tiny_artifacts, variant):
+    engine = Generator.load(tiny_artifacts["llama"], variant).engine
+    engine.max_batch_size = 2
+    long_prompt, short = list(range(1, 61)), [5, 6, 7]
+    engine.add_request(long_prompt, SamplingParams(max_new_tokens=2, ignore_eos=True), request_id="long")
+    engine.add_request(short, SamplingParams(max_new_tokens=40, ignore_eos=True), request_id="short")
+    engine.add_request(short, SamplingParams(max_new_tokens=30, ignore_eos=True), request_id="joiner")
+    while "long" not in {e.request_id for e in engine.step() if e.finish_reason}:
+        pass
+    assert engine.running.width >= 61 and engine.running.free_rows() == [0]
+    engine.step()  # the joiner's prefill: it takes the free row, the batch keeps its two rows
+    assert len(engine.running.rows) == 2 and engine.running.free_rows() == []
+    for _ in range(3):
+        engine.step()
+    # The long prompt's columns are padding in every row now: dropped, the batch is as wide as its longest row.
+    assert engine.running.width == int(engine.running.lengths.max()) < 20
+    while "joiner" not in {e.request_id for e in engine.step() if e.finish_reason}:
+        pass
+    # Nobody waits for the joiner's row and "short" has steps to go: the free row is compacted away.
+    assert len(engine.running.rows) == 1
+    while engine.has_work():
+        engine.step()
+    assert engine.running is None  # idle: the cache is let go
+
+
+def test_n_sequences_fork_from_one_prefill(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["qwen2"])
+    greedy = generator.generate(["The quick brown"], SamplingParams(max_new_tokens=8, n=3, ignore_eos=True))[0]
+    assert len(greedy.alternatives) == 2
+    assert greedy.token_ids == greedy.alternatives[0].token_ids == greedy.alternatives[1].token_ids
+    sampled = SamplingParams(max_new_tokens=8, temperature=1.5, seed=7, ignore_eos=True)
+    forked = generator.generate(["The quick brown"], SamplingParams(**{**vars(sampled), "n": 3}))[0]
+    single = generator.generate(["The quick brown"], sampled)[0]
+    assert forked.token_ids == single.token_ids  # sequence 0 draws as the request would alone
+    assert len({tuple(r.token_ids) for r in [forked, *forked.alternatives]}) == 3
+    with pytest.raises(RequestError, match="n is 40; this engine runs at most 32"):
+        generator.engine.add_request("hi", SamplingParams(n=40))
+
+
+def test_logprobs_are_the_log_softmax_of_the_step_logits(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["llama"], "cpu-fp32-unfused")
+    ids = generator.encode("The quick brown")
+    result = generator.generate([ids], SamplingParams(max_new_tokens=3, logprobs=4, ignore_eos=True))[0]
+    backend = generator.backend
+    logits, _ = backend.run(np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None],
+                            backend.new_cache(1, 8))
+    expected = log_softmax(logits[0, -1])
+    first = result.logprobs[0]
+    assert first.token_id == result.token_ids[0] == int(np.argmax(expected))
+    assert first.logprob == pytest.approx(expected[first.token_id], abs=1e-5)
+    assert [t for t, _ in first.top] == list(np.argsort(-expected)[:4])
+    assert [lp for _, lp in first.top] == pytest.approx(sorted(expected, reverse=True)[:4], abs=1e-5)
+    assert len(result.logprobs) == 3 and all(len(t.top) == 4 for t in result.logprobs)
+
+
+def test_stop_token_ids_and_min_tokens(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["gpt2"])
+    free = generator.generate(["The quick"], SamplingParams(max_new_tokens=12, ignore_eos=True))[0]
+    stop_token = free.token_ids[3]
+    first = free.token_ids.index(stop_token)
+    stopped = generator.generate(["The quick"], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,)))[0]
+    assert stopped.finish_reason == "stop" and stopped.token_ids == free.token_ids[:first + 1]
+    # min_tokens: the stop token is masked out until then, so the sequence runs past it.
+    later = generator.generate(["The quick"], SamplingParams(max_new_tokens=12, stop_token_ids=(stop_token,),
+                                                            min_tokens=first + 2))[0]
+    assert stop_token not in later.token_ids[:first + 2] and len(later.token_ids) >= first + 2
+    eos = generator.eos_ids
+    forced = generator.generate(["The quick"], SamplingParams(max_new_tokens=10, min_tokens=10))[0]
+    assert forced.generated_tokens == 10 and not eos & set(forced.token_ids)
+
+
+def test_streamed_text_holds_back_a_possible_stop_string(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["gpt2"])
+    free = generator.generate(["The quick"], SamplingParams(max_new_tokens=20, ignore_eos=True))[0]
+    stop = free.text[len(free.text) // 2: len(free.text) // 2 + 3]
+    assert len(stop) == 3 and stop.strip()
+    pieces, final = [], None
+    for event in generator.stream(["The quick"], SamplingParams(max_new_tokens=20, stop=(stop,), ignore_eos=True)):
+        pieces.append(event.text)
+        final = event.result or final
+    assert final.finish_reason == "stop" and final.text == free.text[: free.text.find(stop)]
+    assert "".join(pieces) == final.text
+    streamed = ""
+    for piece in pieces:  # no prefix of the stream ever showed a part of the stop string past the cut
+        streamed += piece
+        assert final.text.startswith(streamed)
+
+
+def test_incremental_detokenization_decodes_short_windows(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["llama"])
+    tokenizer = generator.tokenizer
+    longest = []
+    decode = tokenizer.decode
+
+    def counting(ids):
+        longest.append(len(ids))
+        return decode(ids)
+
+    tokenizer.decode = counting
+    result = generator.generate(["The quick"], SamplingParams(max_new_tokens=100, ignore_eos=True))[0]
+    tokenizer.decode = decode
+    assert result.generated_tokens == 100
+    assert max(longest) <= 10  # a window of the last few tokens, never the whole output
+    assert result.text == decode(result.token_ids)
+
+
+def test_abort_frees_the_row_at_the_next_step(tiny_artifacts):
+    engine = Generator.load(tiny_artifacts["mistral"]).engine
+    engine.add_request("The quick", SamplingParams(max_new_tokens=50, ignore_eos=True), request_id="a")
+    engine.add_request("A KV cache", SamplingParams(max_new_tokens=50, ignore_eos=True), request_id="b")
+    engine.add_request("waiting", SamplingParams(max_new_tokens=5), request_id="c")
+    engine.max_batch_size = 2
+    for _ in range(4):
+        engine.step()
+    assert engine.stats()["running"] == 2 and engine.stats()["waiting"] == 1
+    engine.abort("a")
+    engine.abort("c")
+    events = engine.step()
+    ended = {e.request_id: e for e in events if e.finish_reason}
+    assert ended["a"].finish_reason == "abort" and ended["c"].finish_reason == "abort"
+    assert ended["a"].result.generated_tokens >= 1
+    assert engine.stats()["running"] == 1
+    while engine.has_work():
+        engine.step()
+
+
+def test_a_failing_request_fails_alone(tiny_artifacts, monkeypatch):
+    import runtime.engine
+
+    generator = Generator.load(tiny_artifacts["llama"])
+    real = runtime.engine.next_token
+
+    def failing(logits, history, params, rng):
+        if params.seed == 13:
+            raise FloatingPointError("probabilities do not sum to 1")
+        return real(logits, history, params, rng)
+
+    monkeypatch.setattr(runtime.engine, "next_token", failing)
+    params = [SamplingParams(max_new_tokens=6, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 13, 2)]
+    results = generator.generate(["The quick", "A KV cache", "def add"], params)
+    assert [r.finish_reason for r in results] == ["length", "error", "length"]
+    assert results[1].error == "FloatingPointError: probabilities do not sum to 1"
+    assert [r.generated_tokens for r in results] == [6, 0, 6]
+
+
+def test_a_failure_outside_a_forward_pass_fails_its_requests_and_the_engine_goes_on(tiny_artifacts, monkeypatch):
+    generator = Generator.load(tiny_artifacts["qwen2"])
+    engine = generator.engine
+    real = generator.backend.new_cache
+    failures = iter([MemoryError("cannot allocate the KV cache")])
+
+    def new_cache_once_failing(batch, capacity):
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return real(batch, capacity)
+
+    monkeypatch.setattr(generator.backend, "new_cache", new_cache_once_failing)
+    engine.add_request("The quick", SamplingParams(max_new_tokens=4, n=2), request_id="a")
+    events = engine.step()
+    assert [(e.request_id, e.sequence, e.finish_reason) for e in events] == [("a", 0, "error"), ("a", 1, "error")]
+    assert events[0].result.error == "MemoryError: cannot allocate the KV cache"
+    assert not engine.has_work()
+    later = generator.generate(["The quick"], SamplingParams(max_new_tokens=4, ignore_eos=True))[0]
+    assert later.generated_tokens == 4
+
+
+def test_any_integer_seed_and_checked_stop_token_ids(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["llama"])
+    sampled = SamplingParams(max_new_tokens=5, temperature=1.0, seed=-1, n=2, ignore_eos=True)
+    first = generator.generate(["The quick"], sampled)[0]
+    assert first.generated_tokens == 5 and generator.generate(["The quick"], sampled)[0].token_ids == first.token_ids
+    with pytest.raises(RequestError, match=r"stop_token_ids must be in \[0, 320\)"):
+        generator.engine.add_request("hi", SamplingParams(stop_token_ids=(320,)))
