@@ -4,6 +4,7 @@
     kiln compare A B ...           = compare-model (needs the compiler extra)
     kiln run ARTIFACT ...          = run-model
     kiln serve ARTIFACT [--port N] ...  the OpenAI API (completions, chat) with continuous batching
+    kiln batch ARTIFACT INPUT.jsonl OUTPUT.jsonl ...  bulk inference, resumable; --ray for a cluster
     kiln pack ARTIFACT -o NAME.kiln [--sign-key KEY]
     kiln verify NAME.kiln|DIR [--public-key KEY] [--require-signature] [--variant V]
     kiln install NAME.kiln --into DIR [--public-key KEY] [--require-signature] [--variant V]
@@ -16,6 +17,7 @@ fit this host, a corrupted or unsafe archive); 2 bad usage (missing file, unknow
 
 from __future__ import annotations
 
+import signal
 import sys
 from pathlib import Path
 
@@ -103,6 +105,82 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
         click.echo(f"kiln serve: error: {exc}", err=True)
         sys.exit(2)
     sys.exit(code)
+
+
+@kiln.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.argument("input_file", metavar="INPUT", type=EXISTING_FILE)
+@click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--variant", help="Variant to run [default: the first built one].")
+@click.option("--errors", type=click.Path(dir_okay=False, path_type=Path),
+              help="Where failed rows go, with their line and reason [default: OUTPUT.errors.jsonl].")
+@click.option("--resume/--no-resume", default=True, show_default=True,
+              help="Skip the ids OUTPUT already holds (a rerun after a kill), or start OUTPUT over.")
+@click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
+              help="Most sequences decoded together.")
+@click.option("--threads", type=click.IntRange(min=1),
+              help="ONNX Runtime threads [default: all cores]; with --ray, split between the workers.")
+@click.option("--max-tokens", type=click.IntRange(min=1), help="Default max_tokens for rows that give none "
+              "[default: up to the context, as kiln serve].")
+@click.option("--temperature", type=click.FloatRange(min=0), help="Default temperature (0: greedy) "
+              "[default: the artifact's generation config, else 1].")
+@click.option("--top-p", type=click.FloatRange(min=0, max=1, min_open=True), help="Default top_p.")
+@click.option("--top-k", type=click.IntRange(min=0), help="Default top_k (0: off).")
+@click.option("--seed", type=int, help="Default seed, for sampled rows that reproduce.")
+@click.option("--ray", "ray_address", is_flag=False, flag_value="", default=None, metavar="[ADDRESS]",
+              help="Run on Ray Data: a local instance, RAY_ADDRESS, or ADDRESS (ray://HOST:10001). "
+                   "Put it last, or write --ray=ADDRESS.")
+@click.option("--workers", default=1, show_default=True, type=click.IntRange(min=1),
+              help="With --ray: runtimes (Ray actors) answering rows at once.")
+@click.option("--chunk-rows", default=1024, show_default=True, type=click.IntRange(min=1),
+              help="Rows read, sorted by length and synced to disk at a time (bounds memory and lost work).")
+@click.option("--model-name", help="The model name in OpenAI response bodies [default: the artifact's name].")
+@click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
+def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, errors: Path | None, resume: bool,
+          batch_size: int, threads: int | None, max_tokens: int | None, temperature: float | None,
+          top_p: float | None, top_k: int | None, seed: int | None, ray_address: str | None, workers: int,
+          chunk_rows: int, model_name: str | None, no_verify: bool) -> None:
+    """Answer every row of INPUT (JSONL) into OUTPUT (JSONL); rerun the same command to resume.
+
+    Rows are OpenAI Batch API lines ({"custom_id", "method", "url", "body"}) or simple ones ({"id",
+    "prompt" or "messages", sampling fields}); a row's own fields beat the defaults given here.
+    Output lines come in the order rows finish, keyed by their id.
+
+    Exit codes: 0 every row answered; 1 some rows failed (see ERRORS); 2 a bad command line, input
+    (duplicate ids) or artifact; 130 interrupted by Ctrl-C or SIGTERM (rerun to resume)."""
+    from .batch import BatchConfig, run_job
+
+    defaults = {key: value for key, value in (("max_tokens", max_tokens), ("temperature", temperature),
+                                              ("top_p", top_p), ("top_k", top_k), ("seed", seed))
+                if value is not None}
+    config = BatchConfig(artifact, input_file, output, variant, errors, batch_size, threads=threads,
+                         chunk_rows=chunk_rows, resume=resume, defaults=defaults, ray=ray_address is not None,
+                         ray_address=ray_address or None, workers=workers, verify=not no_verify,
+                         model_name=model_name)
+    def interrupt(signum: int, frame: object) -> None:  # SIGTERM as Ctrl-C: what finished is synced first
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        summary = run_job(config)
+    except KilnError as exc:
+        click.echo(f"kiln batch: error: {exc}", err=True)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        click.echo(f"kiln batch: interrupted; what finished is in {output}: rerun the same command to resume",
+                   err=True)
+        sys.exit(130)
+    except Exception as exc:  # a worker that died, a bug of ours: one line; what finished is kept
+        first = (str(exc).strip().splitlines() or [""])[0]
+        click.echo(f"kiln batch: internal error: {type(exc).__name__}: {first}; what finished is in {output}: "
+                   "rerun the same command to resume", err=True)
+        sys.exit(1)
+    rate = (summary.done + summary.failed) / max(summary.seconds, 1e-9)
+    click.echo(f"kiln batch: {summary.done:,} done, {summary.failed:,} failed, {summary.skipped:,} skipped "
+               f"(already in {output.name}) in {summary.seconds:.1f} s ({rate:.1f} rows/s, "
+               f"{summary.completion_tokens / max(summary.seconds, 1e-9):,.0f} output tok/s)"
+               + (f"; failed rows are in {config.errors_path}" if summary.failed else ""), err=True)
+    sys.exit(summary.exit_code)
 
 
 @kiln.command()

@@ -38,13 +38,15 @@ from .openai_api import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
-    chat_choice,
     chat_logprobs,
-    completion_choice,
     completion_logprobs,
     envelope,
+    fingerprint,
     new_id,
+    request_prompts,
+    response_body,
     usage,
+    validation_error,
 )
 from .sampling import SamplingParams
 
@@ -331,7 +333,7 @@ def create_app(service: Service) -> Any:
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        return await api_error(request, _validation_error(exc.errors()))
+        return await api_error(request, validation_error(exc.errors()))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception) -> JSONResponse:  # logged by uvicorn too
@@ -377,16 +379,14 @@ def create_app(service: Service) -> Any:
         authorize(request)
         service.check(body.model)
         body.refuse_unsupported()
-        prompts = [service.encode(p, "prompt") for p in body.prompts()]
-        return await _answer(service, request, body, prompts, _COMPLETION, "prompt")
+        return await _answer(service, request, body, _COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
         authorize(request)
         service.check(body.model)
         body.refuse_unsupported()
-        prompts = [service.encode([m.as_template_input() for m in body.messages], "messages")]
-        return await _answer(service, request, body, prompts, _CHAT, "messages")
+        return await _answer(service, request, body, _CHAT)
 
     return app
 
@@ -420,8 +420,9 @@ _COMPLETION = _Shape("cmpl", "text_completion", "text_completion", chat=False)
 _CHAT = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True)
 
 
-async def _answer(service: Service, request: Any, body: Any, prompts: list[list[int]], shape: _Shape,
-                  param: str) -> Any:
+async def _answer(service: Service, request: Any, body: Any, shape: _Shape) -> Any:
+    texts, param = request_prompts(body)
+    prompts = [service.encode(text, param) for text in texts]
     submission = Submission(service.loop, body.n)
     service.admit(submission, prompts, body, param)
     response_id = new_id(shape.prefix)
@@ -436,13 +437,8 @@ async def _answer(service: Service, request: Any, body: Any, prompts: list[list[
     failed = next((r for r in results.values() if r.finish_reason == "error"), None)
     if failed is not None:
         raise ApiError(500, f"generation failed: {failed.error}", kind="internal_error")
-    tokenizer = service.engine.tokenizer
-    build = chat_choice if shape.chat else completion_choice
-    choices = [build(index, results[index], tokenizer) for index in sorted(results)]
-    completion_tokens = sum(r.generated_tokens for r in results.values())
-    return JSONResponse(envelope(shape.kind, response_id, service.model, choices,
-                                  usage=usage(sum(map(len, prompts)), completion_tokens),
-                                  system_fingerprint=_fingerprint(service)))
+    return JSONResponse(response_body(shape.chat, service.model, results, sum(map(len, prompts)),
+                                      service.engine.tokenizer, fingerprint(service.entry), response_id))
 
 
 async def _collect_or_abort(submission: Submission, request: Any) -> dict[int, Result] | None:
@@ -478,11 +474,11 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
     client went away) aborts the requests."""
     created, tokenizer = int(time.time()), service.engine.tokenizer
     extra = {"usage": None} if include_usage else {}
-    fingerprint = _fingerprint(service)
+    system_fingerprint = fingerprint(service.entry)
 
     def chunk(choices: list[dict[str, Any]], **more: Any) -> str:
         body = envelope(shape.chunk_kind, response_id, service.model, choices, created,
-                        system_fingerprint=fingerprint, **{**extra, **more})
+                        system_fingerprint=system_fingerprint, **{**extra, **more})
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
     completion_tokens, offsets = 0, {}  # offsets: each choice's text so far, for logprobs' text_offset
@@ -517,23 +513,6 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
         yield "data: [DONE]\n\n"
     finally:
         submission.close()
-
-
-def _validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    first = errors[0]
-    if first.get("type") == "json_invalid":
-        return ApiError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})")
-    location = [str(part) for part in first.get("loc", ()) if part != "body"]
-    # A union field (prompt, stop, content) reports each alternative; its own name is what matters.
-    location = [part for part in location if not part.startswith(("str", "list[", "int"))] or location
-    param = ".".join(location) or None
-    message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
-                        for e in errors[:3])
-    return ApiError(422, message, param, "invalid_value")
-
-
-def _fingerprint(service: Service) -> str:
-    return f"kiln-{service.entry['name']}"
 
 
 def serve(config: ServeConfig) -> int:
