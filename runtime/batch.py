@@ -22,6 +22,7 @@ and the summary are the same code.
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import sys
@@ -89,9 +90,10 @@ class RowError(Exception):
     """What is wrong with one row: it goes to ERRORS with this message; the job goes on."""
 
     def __init__(self, message: str, code: str = "invalid_request", param: str | None = None,
-                 status: int = 400) -> None:
+                 status: int | None = 400) -> None:
         super().__init__(message)
-        self.message, self.code, self.param, self.status = message, code, param, status
+        self.message, self.code, self.param = message, code, param
+        self.status = status  # the HTTP status kiln serve would answer; None: the line is no request at all
 
 
 @dataclass
@@ -113,21 +115,31 @@ def row_id(obj: dict[str, Any], fmt: str) -> Any:
     value = obj.get(key)
     if value is None:
         raise RowError(f'no "{key}": every row needs a unique one (output lines and resume are keyed by it)',
-                       "missing_id", key)
+                       "missing_id", key, None)
     if isinstance(value, bool) or not isinstance(value, str | int):
-        raise RowError(f'"{key}" must be a string or an integer, got {json.dumps(value)}', "invalid_id", key)
+        raise RowError(f'"{key}" must be a string or an integer, got {json.dumps(value)[:80]}', "invalid_id", key,
+                       None)
+    if isinstance(value, str) and not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (\ud800): no UTF-8 output line could carry it
+            raise RowError(f'"{key}" is not valid Unicode text', "invalid_id", key, None) from None
     return value
 
 
-def parse_line(raw: str | dict[str, Any]) -> dict[str, Any]:
+def parse_line(raw: str | dict[str, Any] | None) -> dict[str, Any]:
     if isinstance(raw, dict):
         return raw
+    if raw is None:
+        raise RowError("not UTF-8 text; JSON Lines files are UTF-8", "invalid_encoding", status=None)
     try:
         obj = json.loads(raw)
     except json.JSONDecodeError as exc:
-        raise RowError(f"not valid JSON ({exc.msg} at column {exc.colno})", "invalid_json") from None
+        raise RowError(f"not valid JSON ({exc.msg} at column {exc.colno})", "invalid_json", status=None) from None
+    except (ValueError, RecursionError) as exc:  # a number past Python's digit limit, nesting too deep
+        raise RowError(f"not usable JSON ({str(exc)[:100]})", "invalid_json", status=None) from None
     if not isinstance(obj, dict):
-        raise RowError(f"a row must be a JSON object, got {type(obj).__name__}", "invalid_json")
+        raise RowError(f"a row must be a JSON object, got {type(obj).__name__}", "invalid_json", status=None)
     return obj
 
 
@@ -143,6 +155,9 @@ class Scan:
     rows: int
     lines: dict[Any, int]
     unreadable: list[tuple[int, RowError]]  # rows with no usable id: they are reported, never answered
+    # The first line that Ray Data's reader would split in two (it splits at \r, U+2028 and other
+    # line breaks too, where JSON Lines splits at \n only), or None.
+    ray_split_line: int | None = None
 
 
 def scan_input(path: Path, fmt: str | None = None) -> Scan:
@@ -150,9 +165,11 @@ def scan_input(path: Path, fmt: str | None = None) -> Scan:
     lines: dict[Any, int] = {}
     duplicates: list[str] = []
     unreadable: list[tuple[int, RowError]] = []
-    rows = 0
+    rows, ray_split_line = 0, None
     for number, raw in _numbered_lines(path):
         rows += 1
+        if ray_split_line is None and raw is not None and len(raw.splitlines()) > 1:
+            ray_split_line = number
         try:
             obj = parse_line(raw)
             fmt = fmt or detect_format(obj)
@@ -169,15 +186,19 @@ def scan_input(path: Path, fmt: str | None = None) -> Scan:
         raise KilnError(f"{path} has duplicate ids: {'; '.join(duplicates[:5])}{more}; ids must be unique")
     if rows == 0:
         raise KilnError(f"{path} has no rows; give one JSON object per line")
-    return Scan(fmt or SIMPLE, rows, lines, unreadable)
+    return Scan(fmt or SIMPLE, rows, lines, unreadable, ray_split_line)
 
 
-def _numbered_lines(path: Path) -> Iterator[tuple[int, str]]:
-    """Non-blank lines with their 1-based numbers; a line that is not UTF-8 is handed on as it is."""
-    with open(path, encoding="utf-8", errors="replace") as lines:
+def _numbered_lines(path: Path) -> Iterator[tuple[int, str | None]]:
+    """Non-blank lines with their 1-based numbers, split at "\n" only, as JSON Lines says (a JSON
+    string may hold a raw U+2028); None for a line that is not UTF-8."""
+    with open(path, "rb") as lines:
         for number, raw in enumerate(lines, 1):
             if raw.strip():
-                yield number, raw
+                try:
+                    yield number, raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    yield number, None
 
 
 # -- answering rows through one engine ----------------------------------------------------------
@@ -280,7 +301,7 @@ class Answerer:
         else:
             if "custom_id" in obj or "body" in obj:
                 raise RowError("an OpenAI Batch line in a file of simple rows (detected from its first row); "
-                               "keep one format per file", "mixed_formats")
+                               "keep one format per file", "mixed_formats", status=None)
             fields = {key: value for key, value in obj.items() if key != "id"}
             if "messages" in fields:
                 kind = SimpleChat
@@ -349,11 +370,14 @@ class Answerer:
 def failed_answer(fmt: str, line: int | None, key: Any, error: RowError) -> Answer:
     """A row's line for ERRORS: OpenAI Batch's error line (the body `kiln serve` would have answered
     with) for that format, {"id", "error"} for simple rows; the job adds "line"."""
-    if fmt == OPENAI:
+    if fmt == OPENAI and error.status is not None:  # a request that was answered with an error status
         body = {"error": {"message": error.message, "type": "invalid_request_error" if error.status < 500
                           else "internal_error", "param": error.param, "code": error.code}}
         record = {"id": _new_id("batch_req"), "custom_id": key,
                   "response": {"status_code": error.status, "request_id": uuid.uuid4().hex, "body": body},
+                  "error": None}
+    elif fmt == OPENAI:  # a line that is no request: OpenAI's form for a request never sent
+        record = {"id": _new_id("batch_req"), "custom_id": key, "response": None,
                   "error": {"code": error.code, "message": error.message}}
     else:
         record = {"id": key, "error": {"code": error.code, "message": error.message, "param": error.param}}
@@ -509,28 +533,38 @@ def check_paths(config: BatchConfig) -> None:
 
 
 def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_every: float = 10.0) -> Summary:
-    """The whole job; KilnError for a bad command line, input or artifact (nothing answered)."""
-    from .artifact import Artifact
-
+    """The whole job. KilnError for a bad command line, input or artifact, raised before OUTPUT or
+    ERRORS is touched: the model is loaded (or Ray found) first."""
     check_paths(config)
-    scan = scan_input(config.input)
-    artifact = Artifact.open(config.artifact, verify=config.verify)
-    artifact.variant(config.variant)  # an unknown variant fails here, before any file is touched
-    done: set[Any] = set()
-    if config.resume and config.output.exists():
-        done, trimmed = answered_ids(config.output, scan.format)
-        if trimmed:
-            progress_stream.write(f"kiln batch: trimmed a torn last line ({trimmed} bytes) from {config.output}\n")
-    output = _Sink(config.output, "a" if config.resume else "w")
-    errors = _Sink(config.errors_path, "w")  # this run's errors: failed rows are tried again on resume
+    try:
+        scan = scan_input(config.input)
+    except OSError as exc:
+        raise KilnError(f"cannot read INPUT {config.input}: {exc.strerror or exc}") from None
+    answerer = None if config.ray else _load_answerer(config, scan.format)
+    if config.ray:
+        _import_ray()
+        undecodable = next((line for line, error in scan.unreadable if error.code == "invalid_encoding"), None)
+        if undecodable is not None:  # Ray Data's read_text fails on the whole file for one such line
+            raise KilnError(f"INPUT line {undecodable} is not UTF-8, and Ray Data cannot read such a file; fix "
+                            "the line, or run without --ray (it reports the line and goes on)")
+        if scan.ray_split_line is not None:
+            raise KilnError(f"INPUT line {scan.ray_split_line} holds a line break other than \\n (\\r, U+2028, ...), "
+                            "where Ray Data's reader would split it in two; remove it, or run without --ray")
+    output = _Sink(config.output, "a")
+    try:
+        done = _claim_output(output, config, scan.format, progress_stream)
+        errors = _Sink(config.errors_path, "w")  # this run's errors: failed rows are tried again on resume
+    except BaseException:
+        output.close()
+        raise
     summary = Summary(skipped=sum(1 for key in scan.lines if key in done))
     progress = Progress(scan.rows - summary.skipped, progress_stream, progress_every)
     started, synced, since_sync = time.perf_counter(), time.perf_counter(), 0
     try:
         for line, error in scan.unreadable:
             _record(errors, summary, failed_answer(scan.format, line, None, error), scan)
-        answers = (_ray_answers(config, scan, done) if config.ray else
-                   _local_answers(config, scan, done))
+        answers = (_ray_answers(config, scan, done) if answerer is None else
+                   _local_answers(answerer, config, scan, done))
         for answer in answers:
             _record(output if answer.ok else errors, summary, answer, scan)
             since_sync += 1
@@ -547,6 +581,33 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
     return summary
 
 
+def _load_answerer(config: BatchConfig, fmt: str) -> Answerer:
+    try:
+        return Answerer.load(config, fmt)
+    except KilnError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - ONNX Runtime's or TensorRT's own load errors: still one line
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise KilnError(f"cannot load {config.artifact} (variant {config.variant or 'default'}): "
+                        f"{type(exc).__name__}: {first}") from None
+
+
+def _claim_output(output: _Sink, config: BatchConfig, fmt: str, progress_stream: TextIO) -> set[Any]:
+    """Lock OUTPUT for this run (two runs appending the same ids would write them twice), then the
+    ids it already holds (trimming a torn last line), or empty it for --no-resume."""
+    try:
+        fcntl.flock(output.file.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        raise KilnError(f"another kiln batch is writing {config.output}; wait for it, or stop it first") from None
+    if not config.resume:
+        output.file.truncate(0)
+        return set()
+    done, trimmed = answered_ids(config.output, fmt)
+    if trimmed:
+        progress_stream.write(f"kiln batch: trimmed a torn last line ({trimmed} bytes) from {config.output}\n")
+    return done
+
+
 def _record(sink: _Sink, summary: Summary, answer: Answer, scan: Scan) -> None:
     if answer.ok:
         summary.done += 1
@@ -558,8 +619,7 @@ def _record(sink: _Sink, summary: Summary, answer: Answer, scan: Scan) -> None:
     sink.write({**answer.record, "line": line})
 
 
-def _local_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[Answer]:
-    answerer = Answerer.load(config, scan.format)
+def _local_answers(answerer: Answerer, config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[Answer]:
     # Rows already answered, and rows with no usable id (the scan reported those): by line number,
     # so that a row is not parsed once more only to be skipped.
     skip = {scan.lines[key] for key in done if key in scan.lines} | {line for line, _ in scan.unreadable}
@@ -589,11 +649,17 @@ class RayWorker:
         return {"answer": answers}
 
 
-def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[Answer]:
+def _import_ray() -> Any:
     try:
         import ray
+        import ray.data  # noqa: F401 - the [data] extra
     except ImportError:
         raise KilnError("--ray needs Ray Data: pip install 'kiln[ray]'") from None
+    return ray
+
+
+def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[Answer]:
+    ray = _import_ray()
     started_here = not ray.is_initialized()
     if started_here:
         address = config.ray_address or os.environ.get("RAY_ADDRESS")
@@ -612,12 +678,24 @@ def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[An
         cpus = min(float(threads), max(0.1, (ray.cluster_resources().get("CPU", 1) - 1) / workers))
         worker_config = replace(config, artifact=config.artifact.resolve(), threads=threads)
         dataset = ray.data.read_text(str(config.input.resolve()), drop_empty_lines=True, num_cpus=0.25)
+        # Batches small enough that every worker gets several (one batch of the whole file would
+        # keep all but one worker idle), and no bigger than a chunk.
+        todo = sum(1 for key in scan.lines if key not in done)
+        batch_rows = max(1, min(config.chunk_rows, -(-todo // (workers * 4))))
         answered = dataset.map_batches(
-            RayWorker, batch_size=config.chunk_rows, compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus,
+            RayWorker, batch_size=batch_rows, compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus,
             fn_constructor_kwargs={"config": worker_config, "fmt": scan.format, "done": done})
+        seen = set()
         for row in answered.iter_rows():
             item = json.loads(row["answer"])
+            seen.add(item["id"])
             yield Answer(item["id"], scan.lines.get(item["id"]), item["ok"], item["record"], item["tokens"])
+        # Ray Data splits lines itself: a row it did not hand to any worker is a failure, never a silent gap.
+        for key, line in scan.lines.items():
+            if key not in done and key not in seen:
+                yield failed_answer(scan.format, line, key, RowError(
+                    "no Ray worker answered this row (Ray Data read the line differently); run without --ray",
+                    "not_answered", status=None))
     finally:
         if started_here:
             ray.shutdown()

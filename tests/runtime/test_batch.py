@@ -8,11 +8,13 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from runtime import batch
+from runtime.errors import KilnError
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
 
@@ -70,14 +72,20 @@ def test_bad_rows_go_to_the_errors_file_with_line_and_reason(artifact, tmp_path)
     rows = [*simple_rows(5), "{not json", {"id": "neg", "prompt": "x", "temperature": -1},
             {"id": "none"}, {"id": "long", "prompt": "fox " * 30, "max_tokens": 120},
             {"id": "typo", "prompt": "x", "max_token": 3}, {"prompt": "no id"}, ["a list"],
-            {"id": "n", "prompt": "the fox", "max_tokens": 3, "n": 2, "temperature": 0}]
-    done = kiln_batch(artifact, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
-                      "--errors", tmp_path / "bad.jsonl")
+            {"id": "n", "prompt": "the fox", "max_tokens": 3, "n": 2, "temperature": 0},
+            "[" * 100_000, '{"id": "big", "prompt": "x", "seed": ' + "9" * 5000 + "}",
+            '{"id": "\\ud800", "prompt": "x"}', '{"id": "cr1", "prompt": "a"}\r{"id": "cr2", "prompt": "b"}']
+    source = write_jsonl(tmp_path / "in.jsonl", rows)
+    with open(source, "ab") as lines:
+        lines.write(b'{"id": "latin1", "prompt": "caf\xe9"}\n')
+    # chunks of 2 rows, smaller than the batch, some of them bad through and through
+    done = kiln_batch(artifact, source, tmp_path / "out.jsonl", "--errors", tmp_path / "bad.jsonl",
+                      "--chunk-rows", "2")
     assert done.returncode == 1, done.stderr
-    assert "6 done, 7 failed, 0 skipped" in done.stderr
+    assert "6 done, 12 failed, 0 skipped" in done.stderr
     assert {line["id"] for line in read_jsonl(tmp_path / "out.jsonl")} == {f"r{i}" for i in range(5)} | {"n"}
     errors = {line["line"]: line for line in read_jsonl(tmp_path / "bad.jsonl")}
-    assert sorted(errors) == [6, 7, 8, 9, 10, 11, 12]
+    assert sorted(errors) == list(range(6, 13)) + list(range(14, 19))
     assert errors[6]["error"]["code"] == "invalid_json"
     assert errors[7]["id"] == "neg" and "temperature" in errors[7]["error"]["message"]
     assert errors[7]["error"]["param"] == "temperature"
@@ -86,6 +94,10 @@ def test_bad_rows_go_to_the_errors_file_with_line_and_reason(artifact, tmp_path)
     assert "max_token" in errors[10]["error"]["message"]  # our own format: a misspelt field is an error
     assert errors[11]["error"]["code"] == "missing_id"
     assert errors[12]["error"]["code"] == "invalid_json"
+    assert errors[14]["error"]["code"] == errors[15]["error"]["code"] == "invalid_json"  # too deep, too long
+    assert errors[16]["error"]["code"] == "invalid_id"  # a lone surrogate cannot be written as UTF-8
+    assert errors[17]["error"]["code"] == "invalid_json"  # a stray \r splits no line: one line, not JSON
+    assert errors[18]["error"]["code"] == "invalid_encoding"
     n = next(line for line in read_jsonl(tmp_path / "out.jsonl") if line["id"] == "n")
     assert len(n["choices"]) == 2 and n["usage"]["completion_tokens"] == 6
 
@@ -100,15 +112,17 @@ def test_openai_batch_lines_get_the_body_kiln_serve_returns(artifact, tmp_path):
               ("/v1/completions", {"model": "m", "prompt": ["a cache", "the dog jumps"], "max_tokens": 4,
                                    "temperature": 0})]
     rows = [{"custom_id": f"c{i}", "method": "POST", "url": url, "body": body} for i, (url, body) in enumerate(bodies)]
-    rows.append({"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}})
+    rows += [{"custom_id": "emb", "method": "POST", "url": "/v1/embeddings", "body": {"input": "x"}}, "{oops"]
     done = kiln_batch(artifact, write_jsonl(tmp_path / "in.jsonl", rows), tmp_path / "out.jsonl",
                       "--model-name", "m")
     assert done.returncode == 1, done.stderr
     lines = {line["custom_id"]: line for line in read_jsonl(tmp_path / "out.jsonl")}
     assert set(lines) == {"c0", "c1", "c2"}
-    (error,) = read_jsonl(tmp_path / "out.errors.jsonl")
+    unsent, error = sorted(read_jsonl(tmp_path / "out.errors.jsonl"), key=lambda line: line["response"] is not None)
+    # OpenAI's two error lines: a request answered with an error status, and a line that was no request
     assert (error["custom_id"], error["line"], error["response"]["status_code"]) == ("emb", 4, 400)
-    assert error["error"]["code"] == error["response"]["body"]["error"]["code"] == "invalid_url"
+    assert error["error"] is None and error["response"]["body"]["error"]["code"] == "invalid_url"
+    assert (unsent["line"], unsent["response"], unsent["error"]["code"]) == (5, None, "invalid_json")
 
     server = Server(artifact, "--model-name", "m", "--api-key", "k")
     try:
@@ -170,6 +184,8 @@ def test_sigterm_stops_cleanly_and_the_rerun_finishes(artifact, tmp_path):
     while not (output.exists() and output.stat().st_size > 0):
         assert time.time() < deadline and process.poll() is None, "no output before SIGTERM"
         time.sleep(0.01)
+    second = kiln_batch(artifact, source, output)  # the same job started twice would write rows twice
+    assert second.returncode == 2 and "another kiln batch is writing" in second.stderr
     process.send_signal(signal.SIGTERM)
     assert process.wait(60) == 130
     assert "rerun the same command to resume" in process.stderr.read()
@@ -179,8 +195,13 @@ def test_sigterm_stops_cleanly_and_the_rerun_finishes(artifact, tmp_path):
     assert sorted(line["id"] for line in read_jsonl(output)) == sorted(row["id"] for row in rows)
 
 
-def test_a_torn_last_line_is_trimmed_on_resume(artifact, tmp_path):
-    rows = simple_rows(6)
+@pytest.mark.parametrize("form", ["simple, integer ids", "openai"])
+def test_a_torn_last_line_is_trimmed_on_resume(artifact, tmp_path, form):
+    rows = [{**row, "id": i} for i, row in enumerate(simple_rows(6))]
+    if form == "openai":
+        rows = [{"custom_id": f"c{row.pop('id')}", "method": "POST", "url": "/v1/completions",
+                 "body": {"model": "m", **row}} for row in rows]
+    key = "custom_id" if form == "openai" else "id"
     source = write_jsonl(tmp_path / "in.jsonl", rows)
     output = tmp_path / "out.jsonl"
     assert kiln_batch(artifact, source, output).returncode == 0
@@ -190,7 +211,7 @@ def test_a_torn_last_line_is_trimmed_on_resume(artifact, tmp_path):
     assert resumed.returncode == 0, resumed.stderr
     assert "trimmed a torn last line (17 bytes)" in resumed.stderr
     assert "3 done, 0 failed, 3 skipped" in resumed.stderr
-    assert sorted(line["id"] for line in read_jsonl(output)) == sorted(row["id"] for row in rows)
+    assert sorted(line[key] for line in read_jsonl(output)) == sorted(row[key] for row in rows)
 
 
 def test_duplicate_ids_and_bad_paths_are_refused_before_anything_is_written(artifact, tmp_path):
@@ -280,3 +301,9 @@ def test_ray_path_writes_what_the_local_path_writes(artifact, tmp_path, local_ra
     again = batch.run_job(config)
     assert (again.done, again.skipped) == (60, 60)
     assert {line["id"]: line for line in read_jsonl(tmp_path / "ray.jsonl")} == by_id
+
+    # Ray Data's reader splits lines at \r and U+2028 too: such a file is refused up front, not misread
+    write_jsonl(source, rows + ['{"id": "cr1", "prompt": "a"}\r{"id": "cr2", "prompt": "b"}'])
+    with pytest.raises(KilnError, match="line 123 holds a line break other than"):
+        batch.run_job(replace(config, output=tmp_path / "split.jsonl"))
+    assert not (tmp_path / "split.jsonl").exists()
