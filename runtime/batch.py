@@ -30,7 +30,7 @@ import time
 import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
-from itertools import islice
+from itertools import chain, islice
 from pathlib import Path
 from typing import Any, TextIO
 
@@ -410,14 +410,9 @@ def run(artifact: str | Path, rows: Iterable[str | dict[str, Any]], *, variant: 
     config = BatchConfig(Path(artifact), input=Path(), output=Path(), variant=variant,  # no files here
                          max_batch_size=max_batch_size, threads=threads, chunk_rows=chunk_rows,
                          defaults=dict(defaults or {}), verify=verify)
-    numbered = enumerate(_chain_first(first, rows), 1)
+    numbered = enumerate(chain([first], rows), 1)
     for answer in Answerer.load(config, fmt).answer(numbered):
         yield answer.record if answer.ok else {**answer.record, "line": answer.line}
-
-
-def _chain_first(first: Any, rest: Iterator[Any]) -> Iterator[Any]:
-    yield first
-    yield from rest
 
 
 # -- the job: files, resume, progress -----------------------------------------------------------

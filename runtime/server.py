@@ -374,19 +374,19 @@ def create_app(service: Service) -> Any:
                 "owned_by": "kiln", "max_model_len": service.artifact.manifest["model"]["max_context"]}
         return JSONResponse({"object": "list", "data": [card]})
 
-    @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request) -> Response:
+    async def answer(body: Any, request: Request, shape: _Shape) -> Response:
         authorize(request)
         service.check(body.model)
         body.refuse_unsupported()
-        return await _answer(service, request, body, _COMPLETION)
+        return await _answer(service, request, body, shape)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await answer(body, request, _COMPLETION)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest, request: Request) -> Response:
-        authorize(request)
-        service.check(body.model)
-        body.refuse_unsupported()
-        return await _answer(service, request, body, _CHAT)
+        return await answer(body, request, _CHAT)
 
     return app
 
