@@ -5,13 +5,13 @@ compare-model A B [--prompts FILE] [--text FILE] [--max-new-tokens N] [--gates F
 from __future__ import annotations
 
 import logging
-import signal
 import sys
 from pathlib import Path
 
 import click
 
-from runtime.errors import ArtifactError, IncompatibleArtifact, KilnError
+from runtime.command import OneLineCommand
+from runtime.errors import ArtifactError, IncompatibleArtifact, KilnError, interrupted_exit_code, unwind_on_sigterm
 
 from .errors import CheckpointError, CompareInputError, OutputError, RecipeError
 
@@ -20,12 +20,7 @@ BAD_INPUT = (RecipeError, CheckpointError, OutputError, CompareInputError)
 COMPARE_BAD_INPUT = (*BAD_INPUT, ArtifactError, IncompatibleArtifact)
 
 
-def _interrupt(signum: int, frame: object) -> None:
-    # SIGTERM unwinds like Ctrl-C, so the staging folder is removed on the way out.
-    raise KeyboardInterrupt
-
-
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("compile-model", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--out", "out", type=click.Path(file_okay=False), help="Artifact folder [default: out/<recipe name>].")
 @click.option("--variant", "variants", multiple=True, metavar="NAME", help="Build only this variant (repeatable).")
@@ -42,7 +37,7 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
     # Claim the root logger first: ONNX Runtime's quantization tools call logging.basicConfig(INFO) on
     # import and would print every node they skip. Libraries' warnings are for --debug too.
     logging.basicConfig(level=logging.INFO if debug else logging.ERROR)
-    signal.signal(signal.SIGTERM, _interrupt)
+    unwind_on_sigterm()  # so the staging folder is removed on the way out
     try:
         folder = compile_recipe(recipe, out, variants, debug=debug, keep_failed=keep_failed, strict=strict)
     except KilnError as exc:
@@ -50,9 +45,9 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
             raise
         click.echo(f"compile-model: error: {exc}", err=True)
         sys.exit(2 if isinstance(exc, BAD_INPUT) else 1)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         click.echo("compile-model: interrupted; nothing was written", err=True)
-        sys.exit(130)
+        sys.exit(interrupted_exit_code(exc))
     except Exception as exc:  # a bug of ours or a library's: still one line unless --debug
         if debug:
             raise
@@ -61,7 +56,7 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
     click.echo(str(folder))
 
 
-@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("compare-model", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("a")
 @click.argument("b")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
@@ -113,12 +108,13 @@ def _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_ite
     from .progress import StageLog
     from .report import write_report
 
+    given_gates = read_gates(gates_file, gate_items, {}) if gates_file or gate_items else None  # before loading
     log = StageLog()
     with log.stage("open", f"A {a}"):
         side_a = open_side(a, device, dtype, threads, verify)
     with log.stage("open", f"B {b}"):
         side_b = open_side(b, device, dtype, threads, verify)
-    gates = read_gates(gates_file, gate_items, side_b.gates)
+    gates = side_b.gates if given_gates is None else given_gates
     context = min(side_a.max_context, side_b.max_context)
     inputs, prompts = read_inputs(side_a, prompts_file, text_file, max_new_tokens, context)
     check_same_tokenizer(side_a, side_b, prompts)

@@ -24,6 +24,7 @@ from pydantic import ValidationError
 from runtime.artifact import Artifact
 from runtime.backend import open_backend
 from runtime.errors import IncompatibleArtifact
+from runtime.files import read_utf8
 
 from .accuracy import (
     GATES,
@@ -139,7 +140,7 @@ def read_inputs(side: Side, prompts_file: Path | None, text_file: Path | None, m
     prompts = read_prompts(prompts_file)
     if not prompts:
         raise CompareInputError(f'prompts file {prompts_file}: no prompts; write one {{"prompt": "..."}} per line')
-    text = side.encode(text_file.read_text())
+    text = side.encode(read_utf8(text_file, f"text file {text_file}", "text", CompareInputError))
     if len(text) < 2:
         raise CompareInputError(f"text file {text_file}: needs at least 2 tokens of text to score perplexity")
     limit = max_context - max_new_tokens
@@ -175,9 +176,7 @@ def read_gates(gates_file: Path | None, overrides: tuple[str, ...], default: dic
     gates: dict[str, Any] = {}
     if gates_file is not None:
         try:
-            loaded = yaml.safe_load(gates_file.read_text())
-        except OSError as exc:
-            raise CompareInputError(f"--gates {gates_file}: {exc.strerror}") from None
+            loaded = yaml.safe_load(read_utf8(gates_file, f"--gates {gates_file}", "YAML or JSON", CompareInputError))
         except yaml.YAMLError as exc:
             raise CompareInputError(f"--gates {gates_file}: not YAML or JSON ({exc})") from None
         loaded = loaded.get("gates", loaded) if isinstance(loaded, dict) else loaded

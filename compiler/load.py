@@ -12,20 +12,25 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from runtime.artifact import sha256_file
+from runtime.files import read_utf8
 
-from .errors import CheckpointError
-from .families import Family, family_for, supported
+from .errors import CheckpointError, RecipeError, UnsupportedArchitecture
+from .families import FAMILIES, Family, family_for, supported
 from .recipe import ModelSpec
 
 # A causal LM head class ends in one of these; anything else (SequenceClassification, a bare
 # encoder, ...) is refused before any weight is read.
 CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
+# Config keys that bound the positions a model takes (GPT-2 names it n_positions).
+POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
 # The model is loaded for export with an explicit attention implementation, never SDPA. Traced,
 # SDPA's decomposition transposes the whole (GQA-expanded) key cache as a 3-D tensor every layer and
@@ -123,6 +128,93 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
         ) from None
 
 
+def preflight(spec: ModelSpec, max_context: int) -> Source:
+    """What can be known of the checkpoint without loading it (nor importing transformers): the source
+    exists and is of a known kind, its config is readable and of a supported family, and the recipe's
+    max_context is within the model's limit. So these fail in a second, not after a load."""
+    source = resolve_source(spec)
+    if source.kind == "gguf":
+        key, limit = _gguf_context_length(source)
+    else:
+        config = _raw_config(source)
+        _check_is_causal_lm(source, config.get("architectures"))
+        model_type = config.get("model_type")
+        if model_type is not None and model_type not in FAMILIES:  # without one, transformers may still infer it
+            raise UnsupportedArchitecture(f"model.source {spec.source}: model type {model_type!r} is not "
+                                          f"supported; supported families: {supported()}")
+        key = "max_position_embeddings"  # transformers' name, whichever key the family's config.json uses
+        limit = next((config[k] for k in POSITION_LIMIT_KEYS if isinstance(config.get(k), int)), None)
+    if limit is not None and max_context > limit:
+        raise RecipeError(f"export.max_context: {max_context} exceeds the model's {key} {limit}; use at most {limit}")
+    return source
+
+
+def _raw_config(source: Source) -> dict[str, Any]:
+    path = source.path / "config.json"
+    if not path.is_file():
+        raise CheckpointError(f"model.source {source.spec}: {source.path} has no config.json, so it is not a "
+                              "Hugging Face model folder")
+    try:
+        config = json.loads(read_utf8(path, f"model.source {source.spec}: {path}", "JSON", CheckpointError))
+    except (ValueError, RecursionError) as exc:
+        raise CheckpointError(f"model.source {source.spec}: {path} is not valid JSON ({exc})") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"model.source {source.spec}: {path} is not a JSON object")
+    return config
+
+
+def _gguf_context_length(source: Source) -> tuple[str, int | None]:
+    """The GGUF header's `<architecture>.context_length`, read by hand: gguf's own reader parses the
+    whole vocabulary first (2.5 s on SmolLM2). Refuses a file without the GGUF magic."""
+    with open(source.path, "rb") as handle:
+        if handle.read(4) != b"GGUF":
+            raise CheckpointError(f"model.source {source.spec}: {source.path} does not start with the GGUF magic "
+                                  "bytes, so it is not a GGUF file")
+        try:
+            metadata = _gguf_metadata(handle, stop_after="context_length")
+        except (struct.error, UnicodeDecodeError, ValueError):
+            raise CheckpointError(f"model.source {source.spec}: {source.path} has a truncated or corrupt GGUF "
+                                  "header") from None
+    key = f"{metadata.get('general.architecture')}.context_length"
+    value = metadata.get(key)
+    return key, value if isinstance(value, int) else None
+
+
+# GGUF metadata value types: struct formats of the fixed-size ones; 8 is a string, 9 an array.
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def _gguf_metadata(handle: Any, stop_after: str) -> dict[str, Any]:
+    """Metadata key/values in file order, up to the first key ending in `stop_after`."""
+    def read(fmt: str) -> Any:
+        return struct.unpack("<" + fmt, handle.read(struct.calcsize(fmt)))[0]
+
+    def value(kind: int) -> Any:
+        if kind in _GGUF_SCALARS:
+            return read(_GGUF_SCALARS[kind])
+        if kind == 8:
+            return handle.read(read("Q")).decode("utf-8")
+        if kind == 9:
+            item, count = read("I"), read("Q")
+            if item in _GGUF_SCALARS:  # skipped, not parsed: vocabularies hold 100k+ entries
+                handle.seek(count * struct.calcsize(_GGUF_SCALARS[item]), os.SEEK_CUR)
+            else:
+                for _ in range(count):
+                    value(item)
+            return None
+        raise ValueError(f"unknown GGUF value type {kind}")
+
+    read("I")  # version
+    read("Q")  # tensor count
+    metadata = {}
+    for _ in range(read("Q")):
+        key = handle.read(read("Q")).decode("utf-8")
+        metadata[key] = value(read("I"))
+        if key.endswith(stop_after):
+            break
+    return metadata
+
+
 def load_checkpoint(spec: ModelSpec) -> Checkpoint:
     # Set before transformers is imported: nothing in a compile may reach a model hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
@@ -131,7 +223,7 @@ def load_checkpoint(spec: ModelSpec) -> Checkpoint:
         config = _load_config(source, gguf_file=source.gguf_file)
     else:
         config = _load_config(source)
-        _check_is_causal_lm(source, config)
+        _check_is_causal_lm(source, getattr(config, "architectures", None))
     family = family_for(config)
     weights_kwargs = _weights_kwargs(source, spec)
     model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)})
@@ -154,8 +246,8 @@ def _load_config(source: Source, **kwargs: Any) -> Any:
         ) from None
 
 
-def _check_is_causal_lm(source: Source, config: Any) -> None:
-    archs = getattr(config, "architectures", None) or []
+def _check_is_causal_lm(source: Source, architectures: list[str] | None) -> None:
+    archs = architectures if isinstance(architectures, list) else []
     if archs and not any(a.endswith(CAUSAL_LM_SUFFIXES) for a in archs):
         raise CheckpointError(
             f"model.source {source.spec}: {', '.join(archs)} is not a causal language model; "

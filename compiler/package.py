@@ -20,6 +20,7 @@ from runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
 from .load import Checkpoint
 from .progress import StageLog
 
+STAGING_PREFIX = ".{}.partial-"  # + the compiling process id
 TOOLS = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime", "onnxruntime-gpu", "tokenizers", "gguf")
 
 
@@ -28,7 +29,7 @@ def staging_folder(final: Path) -> Iterator[Path]:
     """Yield an empty sibling folder of `final`; on success it replaces `final` by rename, on any
     exception (KeyboardInterrupt included) it is deleted and `final` is left as it was."""
     final.parent.mkdir(parents=True, exist_ok=True)
-    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+    staging = final.parent / f"{STAGING_PREFIX.format(final.name)}{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir()
     try:
@@ -41,6 +42,28 @@ def staging_folder(final: Path) -> Iterator[Path]:
         final.rename(previous)
     staging.rename(final)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def remove_stale_staging(final: Path) -> list[Path]:
+    """Delete the staging folders of `final` left by compiles that were killed (kill -9, OOM killer):
+    those whose process is gone. A compile still running keeps its own. Returns what was removed."""
+    removed = []
+    for folder in sorted(final.parent.glob(f"{STAGING_PREFIX.format(final.name)}*")):
+        pid = folder.name.rpartition("-")[2]
+        if folder.is_dir() and pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def write_tokenizer(checkpoint: Checkpoint, folder: Path) -> None:

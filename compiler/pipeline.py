@@ -23,9 +23,9 @@ from .accuracy import Inputs, Run, measure, reference_run
 from .compare import Side, assemble, eager_side, read_inputs
 from .errors import GateFailure, OutputError, RecipeError
 from .export import OnnxArtifact, export
-from .load import Checkpoint, load_checkpoint
+from .load import Checkpoint, load_checkpoint, preflight
 from .optimize import optimize
-from .package import model_facts, staging_folder, write_json, write_manifest, write_tokenizer
+from .package import model_facts, remove_stale_staging, staging_folder, write_json, write_manifest, write_tokenizer
 from .progress import StageLog
 from .quantize import check_finite, quantize
 from .recipe import (
@@ -53,7 +53,10 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     started = time.perf_counter()
     recipe, base = load_recipe(recipe_path)
     variants = recipe.select_variants(variant_names)
+    preflight(recipe.model, recipe.export.max_context)
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
+    for stale in remove_stale_staging(final):
+        log.note(f"removed {stale}, left by a compile that was killed")
     with staging_folder(final) as staging:
         with log.stage("load", recipe.model.source):
             checkpoint = load_checkpoint(recipe.model)

@@ -14,6 +14,8 @@ from typing import Annotated, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from runtime.files import read_utf8
+
 from .errors import RecipeError
 
 NAME_PATTERN = r"^[a-z0-9][a-z0-9._-]*$"
@@ -207,7 +209,7 @@ def load_recipe(path: str | Path) -> tuple[Recipe, Path]:
     if not path.is_file():
         raise RecipeError(f"recipe {path}: no such file")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(read_utf8(path, f"recipe {path}", "YAML", RecipeError))
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -253,7 +255,8 @@ def read_prompts(file: Path, where: str = "") -> list[str]:
     import json
 
     prompts = []
-    for number, line in enumerate(file.read_text().splitlines(), 1):
+    text = read_utf8(file, where or f"prompts file {file}", "JSON lines", RecipeError)
+    for number, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -12,15 +12,20 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import ArtifactError, IncompatibleArtifact
+from .files import read_utf8
+from .onnx_refs import MalformedModel, external_data
+from .signing import SIGNATURE_FILE
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
 _CHUNK = 1 << 20
+NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
 
 
 def sha256_file(path: Path, on_bytes: Any = None) -> str:
@@ -58,7 +63,7 @@ class Artifact:
         if not path.is_file():
             raise ArtifactError(f"{folder}: not a Kiln artifact (no {MANIFEST})")
         try:
-            manifest = json.loads(path.read_text())
+            manifest = json.loads(read_utf8(path, str(path), "JSON", ArtifactError))
         except json.JSONDecodeError as exc:
             raise ArtifactError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         version = manifest.get("schema_version")
@@ -71,11 +76,29 @@ class Artifact:
             artifact.verify()
         return artifact
 
-    def verify(self, use_cache: bool = True) -> None:
-        """Every listed file's size and sha256. When loading, a file hashed before is trusted again
-        while its size, mtime, ctime (ns; ctime cannot be set back), inode and device are unchanged;
-        the cache lives in ~/.cache/kiln, not in the artifact. `kiln verify` and `install` never use it."""
-        cache = _HashCache.load() if use_cache else _HashCache(None, {})
+    def verify(self, use_cache: bool = True, rehash: bool = True) -> list[str]:
+        """The one integrity check, shared by loading and `kiln verify`: a manifest safe to act on, no
+        file it does not list, every listed file's size and sha256, and external-data references that
+        stay inside the artifact. Returns what was checked, one note a check. When loading, a file
+        hashed before is trusted again while its size, mtime, ctime (ns; ctime cannot be set back),
+        inode and device are unchanged; the cache lives in ~/.cache/kiln, not in the artifact.
+        `kiln verify` and `install` never use it."""
+        problem = manifest_problem(self.manifest)
+        if problem:
+            raise ArtifactError(f"{self.folder}: {problem}")
+        files = self.manifest["files"]
+        _check_tree(self.folder, set(files))
+        if rehash:
+            self._check_hashes(_HashCache.load() if use_cache else _HashCache(None, {}))
+        notes = [f"schema {SCHEMA_VERSION}, {len(files)} files, sha256 and size of each"]
+        models = {e["model"] for e in self.manifest["variants"].values() if isinstance(e.get("model"), str)}
+        onnx_files = sorted({name for name in files if name.endswith(".onnx")} | models)
+        for name in onnx_files:
+            _check_external_data(self.folder, name, files)
+        notes.append(f"external data of {len(onnx_files)} ONNX file(s) inside the artifact and within its files")
+        return notes
+
+    def _check_hashes(self, cache: _HashCache) -> None:
         for relative, entry in self.manifest["files"].items():
             path = self.folder / relative
             if not path.is_file():
@@ -165,3 +188,90 @@ class _HashCache:
             os.replace(partial, self.path)
         except OSError:
             partial.unlink(missing_ok=True)
+
+
+# -- the checks verify() makes ------------------------------------------------------------------
+
+def safe_relative(name: str) -> str | None:
+    """Why `name` may not be a path inside an artifact, or None if it may."""
+    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
+        return "an absolute path"
+    parts = PurePosixPath(name).parts
+    if ".." in parts:
+        return "a path that climbs out of its folder (..)"
+    if any(p in ("", ".") for p in name.split("/")):
+        return "a path with empty or '.' parts"
+    return None
+
+
+def manifest_problem(manifest: Any) -> str | None:
+    """What makes `manifest` unsafe to act on (names, paths, shapes), or None."""
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
+        return "the manifest lists no files"
+    name = manifest.get("name")
+    if not isinstance(name, str) or not NAME.fullmatch(name):
+        return f"the manifest's name {name!r} is not [a-z0-9][a-z0-9._-]*"
+    files = manifest["files"]
+    for path, entry in files.items():
+        problem = safe_relative(path)
+        if problem or path in (MANIFEST, SIGNATURE_FILE):
+            return f"the manifest lists {path!r}, {problem or 'a reserved name'}"
+        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0 \
+                or not isinstance(entry.get("sha256"), str):
+            return f"the manifest's entry for {path!r} has no valid size and sha256"
+    folders = {str(parent) for path in files for parent in PurePosixPath(path).parents}
+    clash = next((path for path in files if path in folders), None)
+    if clash:
+        return f"the manifest lists {clash!r} both as a file and as a folder"
+    variants = manifest.get("variants")
+    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
+        return "the manifest's variants are not a mapping of variant entries"
+    for variant, entry in variants.items():
+        engine = entry.get("engine") if isinstance(entry.get("engine"), dict) else {}
+        for path in (entry.get("model"), engine.get("file")):
+            if path is not None and (not isinstance(path, str) or path not in files):
+                return f"variant {variant!r} points at {path!r}, which the manifest does not list"
+        profiles = engine.get("profiles_file")
+        if profiles is not None:
+            folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)
+            if folder.as_posix() not in files:
+                return f"variant {variant!r} points at {folder.as_posix()!r}, which the manifest does not list"
+    return None
+
+
+def _check_tree(folder: Path, listed: set[str]) -> None:
+    allowed = listed | {MANIFEST, SIGNATURE_FILE}
+    for root, dirs, names in os.walk(folder):
+        for name in dirs + names:
+            path = Path(root) / name
+            relative = path.relative_to(folder).as_posix()
+            if path.is_symlink():
+                raise ArtifactError(f"{folder}: {relative} is a symbolic link; an artifact holds none")
+            if name in names and relative not in allowed:
+                raise ArtifactError(f"{folder}: file {relative} is not listed in the manifest")
+
+
+def _check_external_data(folder: Path, name: str, files: dict[str, Any]) -> None:
+    path = folder / name
+    try:
+        refs = external_data(path)
+    except MalformedModel as exc:
+        raise ArtifactError(f"{folder}: {name} is not a readable ONNX file ({exc})") from None
+    for ref in refs:
+        location = ref.get("location")
+        if not location:
+            raise ArtifactError(f"{folder}: {name} has an external-data entry without a location; refused")
+        problem = safe_relative(location)
+        if problem:
+            raise ArtifactError(f"{folder}: {name} keeps tensors at {location!r}, {problem}; refused")
+        target = (PurePosixPath(name).parent / location).as_posix()
+        if target not in files:
+            raise ArtifactError(f"{folder}: {name} keeps tensors in {target}, which the manifest does not list")
+        offset, length = ref.get("offset", "0"), ref.get("length")
+        if length is None or not all(v.isascii() and v.isdigit() for v in (offset, length)):
+            raise ArtifactError(f"{folder}: {name} has an external-data entry without a plain numeric offset and "
+                                "length; refused")
+        offset, length, size = int(offset), int(length), files[target]["size"]
+        if offset + length > size:
+            raise ArtifactError(f"{folder}: {name} reads {target} at offset {offset} + length {length}, past its "
+                                f"{size} bytes; refused")

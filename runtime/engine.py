@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from .backend import Limits
+from .beam import BeamSearch
 from .sampling import SamplingParams, next_token, token_logprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
 
@@ -83,6 +84,7 @@ class Result:
     queue_s: float | None = None  # from arrival until its prefill started
     logprobs: list[TokenLogprob] | None = None
     alternatives: list[Result] = field(default_factory=list)  # Generator: sequences 2..n of an n > 1 request
+    score: float | None = None  # beam search: sum of log-probs / length ** length_penalty
 
 
 @dataclass(frozen=True)
@@ -123,6 +125,7 @@ class _Sequence:
     text: str = ""  # decoded so far, cut at a stop string
     emitted: int = 0  # characters of text already in events
     token: int = 0  # the newest token: fed to the model at the next decode step
+    beams: BeamSearch | None = None  # a beam of this search; index is its place among the request's beams
 
     @property
     def params(self) -> SamplingParams:
@@ -213,8 +216,10 @@ class Engine:
         problem = params.problem()
         if problem:
             raise RequestError(problem)
-        if params.n > self.max_batch_size:
-            raise RequestError(f"n is {params.n}; this engine runs at most {self.max_batch_size} sequences at once")
+        if params.rows > self.max_batch_size:
+            what = "num_beams" if params.num_beams > 1 else "n"
+            raise RequestError(f"{what} is {params.rows}; this engine runs at most {self.max_batch_size} sequences "
+                               "at once")
         try:
             ids = self.encode(prompt) if prompt else []
         except ValueError as exc:  # a chat template's own check
@@ -258,7 +263,7 @@ class Engine:
         rows = len(batch.rows) if batch else 0
         with self._lock:
             inbox = len(self._inbox)
-        prefilling = sum(r.params.n for r in prefill.requests) if prefill else 0
+        prefilling = sum(r.params.rows for r in prefill.requests) if prefill else 0
         slots = (batch.cache.capacity or batch.width) if batch else 0
         return {"running": self._live_rows() + prefilling, "waiting": len(self.waiting) + inbox,
                 "batch_rows": rows, "kv_slots_used": int(batch.lengths.sum()) if batch else 0,
@@ -289,7 +294,7 @@ class Engine:
             try:
                 return self._decode_step()
             except Exception as exc:  # noqa: BLE001
-                events = [self._failed(row, _describe(exc)) for row in self.running.rows if row is not None]
+                events = [self._failed(row, _describe(exc)) for row in _reported(self.running.rows)]
                 self.running = None
                 return events
         return []
@@ -299,7 +304,7 @@ class Engine:
         requests = list(self.waiting) + (self.prefill.requests if self.prefill else [])
         events = [self._failed(self._new_sequence(r, i), message) for r in requests for i in range(r.params.n)]
         if self.running is not None:
-            events += [self._failed(row, message) for row in self.running.rows if row is not None]
+            events += [self._failed(row, message) for row in _reported(self.running.rows)]
         self.waiting, self.prefill, self.running = deque(), None, None
         return events
 
@@ -318,7 +323,7 @@ class Engine:
         if self.running is not None:
             for i, row in enumerate(self.running.rows):
                 if row is not None and row.request.id in aborts:
-                    events.append(self._ended(row, "abort"))
+                    events += [self._ended(row, "abort")] if _reported([row]) else []
                     self._free(i)
         return events
 
@@ -334,10 +339,10 @@ class Engine:
         group, rows, width = [], 0, 0
         for request in self.waiting:
             wider = max(width, len(request.prompt))
-            if rows + request.params.n > room or (group and (len(group) + 1) * wider > self.max_prefill_tokens):
+            if rows + request.params.rows > room or (group and (len(group) + 1) * wider > self.max_prefill_tokens):
                 break
             group.append(request)
-            rows, width = rows + request.params.n, wider
+            rows, width = rows + request.params.rows, wider
         if not group:
             return False
         now = time.perf_counter()
@@ -377,6 +382,9 @@ class Engine:
             if request.id in self._aborted_in_prefill:
                 events += [self._ended(self._new_sequence(request, i), "abort") for i in range(request.params.n)]
                 continue
+            if request.params.num_beams > 1:
+                events += self._start_beams(request, logits[row], row, joining, sources)
+                continue
             for index in range(request.params.n):
                 sequence = self._new_sequence(request, index)
                 event = self._advance_guarded(sequence, logits, row)
@@ -400,14 +408,80 @@ class Engine:
         batch.lengths = np.where(live, batch.lengths + 1, 0)
         self._prefilled_since_decode = 0
         logits = logits[:, -1]
-        events = []
+        events, searches = [], {}
         for i, row in enumerate(batch.rows):
             if row is None:
+                continue
+            if row.beams is not None:  # advanced together with the other beams of its request, below
+                searches.setdefault(row.beams, [0] * row.beams.beams)[row.index] = i
                 continue
             event = self._advance_guarded(row, logits, i)
             events.append(event)
             if event.finish_reason is not None:
                 self._free(i)
+        for search, rows in searches.items():
+            events += self._advance_beams(search, rows, logits)
+        return events
+
+    # -- beam search: a request's K beams are K rows; after each step their parents' rows are copied in
+
+    def _start_beams(self, request: Request, logits: np.ndarray, row: int, joining: list[_Sequence],
+                     sources: list[int]) -> list[Event]:
+        """The first step of a beam search, on its prompt's logits; its K beams join as K copies of the
+        prompt's row (so no reordering yet), or it is done at once."""
+        params = request.params
+        eos = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_ids)
+        search = BeamSearch(params.num_beams, frozenset(eos), min(params.max_new_tokens,
+                            self.max_context - len(request.prompt)), params.length_penalty, params.early_stopping,
+                            params.min_tokens)
+        beams = [self._new_sequence(request, k) for k in range(params.num_beams)]
+        try:
+            _, tokens = search.step(np.repeat(logits[None], params.num_beams, axis=0))
+        except Exception as exc:  # noqa: BLE001 - one request's failure ends that request alone
+            return [self._failed(beam, _describe(exc)) for beam in _reported(beams)]
+        if search.done:
+            return self._beam_results(search, beams)
+        for beam, token in zip(beams, tokens, strict=True):
+            beam.beams, beam.token, beam.result.generated_tokens = search, token, 1
+        joining += beams
+        sources += [row] * params.num_beams
+        return []
+
+    def _advance_beams(self, search: BeamSearch, rows: list[int], logits: np.ndarray) -> list[Event]:
+        """One step of a search whose beams are these rows (by beam index): pick the next beams, then copy
+        each moved beam's parent row into its row (one gather within the running cache)."""
+        batch = self.running
+        beams = [batch.rows[i] for i in rows]
+        try:
+            parents, tokens = search.step(logits[rows])
+            moved = [k for k, parent in enumerate(parents) if parent != k]
+            if moved and not search.done:
+                batch.cache = self.backend.write_rows(batch.cache, [rows[k] for k in moved], batch.cache,
+                                                      [rows[parents[k]] for k in moved])
+        except Exception as exc:  # noqa: BLE001 - one request's failure ends that request alone
+            events = [self._failed(beam, _describe(exc)) for beam in _reported(beams)]
+        else:
+            if not search.done:
+                for beam, token in zip(beams, tokens, strict=True):
+                    beam.token, beam.result.generated_tokens = token, beam.result.generated_tokens + 1
+                return []
+            events = self._beam_results(search, beams)
+        for i in rows:
+            self._free(i)
+        return events
+
+    def _beam_results(self, search: BeamSearch, beams: list[_Sequence]) -> list[Event]:
+        """The request's n best hypotheses, best first, as its sequences 0..n-1."""
+        events = []
+        for rank, (beam, hypothesis) in enumerate(zip(beams, search.best(beams[0].params.n), strict=False)):
+            result = beam.result
+            result.token_ids, result.generated_tokens, result.score = hypothesis.tokens, len(hypothesis.tokens), \
+                hypothesis.score
+            if result.time_to_first_token_s is None:
+                result.time_to_first_token_s = time.perf_counter() - beam.request.arrival
+            beam.index, beam.text = rank, "".join(beam.decoder.add(t) for t in hypothesis.tokens)
+            beam.text += beam.decoder.flush()
+            events.append(self._emit(beam, hypothesis.tokens[-1], hypothesis.finish_reason))
         return events
 
     # -- tokens -----------------------------------------------------------------------------------
@@ -575,6 +649,12 @@ class Engine:
             padding = batch.width - int(batch.lengths[live].max())
             batch.cache = self.backend.keep_rows(batch.cache, live, -padding, batch.cache.capacity)
             batch.rows, batch.lengths = [batch.rows[i] for i in live], batch.lengths[live]
+
+
+def _reported(rows: list[_Sequence | None]) -> list[_Sequence]:
+    """The rows whose end is reported: every sequence, but only n of a beam search's K beams (a request
+    answers with sequences 0..n-1)."""
+    return [row for row in rows if row is not None and row.index < row.params.n]
 
 
 def _describe(exc: Exception) -> str:

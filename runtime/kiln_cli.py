@@ -17,13 +17,13 @@ fit this host, a corrupted or unsafe archive); 2 bad usage (missing file, unknow
 
 from __future__ import annotations
 
-import signal
 import sys
 from pathlib import Path
 
 import click
 
-from .errors import KilnError
+from .command import OneLineGroup
+from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -37,7 +37,7 @@ def _fail(command: str, exc: Exception) -> None:
     sys.exit(1)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("kiln", cls=OneLineGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def kiln() -> None:
     """Compile, compare, run and ship Kiln artifacts."""
 
@@ -147,7 +147,7 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
     Output lines come in the order rows finish, keyed by their id.
 
     Exit codes: 0 every row answered; 1 some rows failed (see ERRORS); 2 a bad command line, input
-    (duplicate ids) or artifact; 130 interrupted by Ctrl-C or SIGTERM (rerun to resume)."""
+    (duplicate ids) or artifact; 130 interrupted by Ctrl-C, 143 by SIGTERM (rerun to resume)."""
     from .batch import BatchConfig, run_job
 
     defaults = {key: value for key, value in (("max_tokens", max_tokens), ("temperature", temperature),
@@ -157,19 +157,16 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
                          chunk_rows=chunk_rows, resume=resume, defaults=defaults, ray=ray_address is not None,
                          ray_address=ray_address or None, workers=workers, verify=not no_verify,
                          model_name=model_name)
-    def interrupt(signum: int, frame: object) -> None:  # SIGTERM as Ctrl-C: what finished is synced first
-        raise KeyboardInterrupt
-
-    signal.signal(signal.SIGTERM, interrupt)
+    unwind_on_sigterm()  # as Ctrl-C: what finished is synced first
     try:
         summary = run_job(config)
     except KilnError as exc:
         click.echo(f"kiln batch: error: {exc}", err=True)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         click.echo(f"kiln batch: interrupted; what finished is in {output}: rerun the same command to resume",
                    err=True)
-        sys.exit(130)
+        sys.exit(interrupted_exit_code(exc))
     except Exception as exc:  # a worker that died, a bug of ours: one line; what finished is kept
         first = (str(exc).strip().splitlines() or [""])[0]
         click.echo(f"kiln batch: internal error: {type(exc).__name__}: {first}; what finished is in {output}: "

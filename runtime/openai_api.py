@@ -62,6 +62,12 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as the API allows
+    # Beam search, as vLLM takes it: use_beam_search with n beams, all n returned (best_of beams when
+    # given, the best n returned); or num_beams, transformers' name for the width.
+    use_beam_search: bool = False
+    num_beams: int | None = Field(None, ge=1)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     def refuse_unsupported(self) -> None:
         """Fields Kiln does not implement are refused when they would change the answer, never ignored."""
@@ -73,6 +79,11 @@ class _Common(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def beam_width(self) -> int:
+        if self.num_beams is not None:
+            return self.num_beams
+        return max(getattr(self, "best_of", None) or self.n, self.n) if self.use_beam_search else 1
 
     def top_logprobs_wanted(self) -> int | None:
         raise NotImplementedError
@@ -90,6 +101,9 @@ class _Common(BaseModel):
                                 f"requested {prompt_tokens + max_tokens} tokens ({prompt_tokens} in the prompt, "
                                 f"{max_tokens} for the completion). Reduce the prompt or {field}.", field,
                            "context_length_exceeded")
+        beams = self.beam_width()
+        # The artifact's sampling defaults are for sampling: a beam search takes only what it is given.
+        defaults = defaults if beams == 1 else {"temperature": 0.0}
         chosen = {name: getattr(self, name) if getattr(self, name) is not None else defaults.get(name)
                   for name in GENERATION_DEFAULTS}
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -100,7 +114,8 @@ class _Common(BaseModel):
             min_p=chosen["min_p"] or 0.0,
             repetition_penalty=1.0 if chosen["repetition_penalty"] is None else chosen["repetition_penalty"],
             seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
-            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted(), n=self.n)
+            ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted(), n=self.n,
+            num_beams=beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
 
 
 class CompletionRequest(_Common):
@@ -116,8 +131,8 @@ class CompletionRequest(_Common):
             raise ApiError(400, "echo is not supported", "echo")
         if self.suffix:
             raise ApiError(400, "suffix is not supported", "suffix")
-        if self.best_of not in (None, 1, self.n):
-            raise ApiError(400, "best_of other than n is not supported", "best_of")
+        if self.best_of not in (None, 1, self.n) and not (self.use_beam_search and self.best_of > self.n):
+            raise ApiError(400, "best_of other than n is only supported with use_beam_search", "best_of")
 
     def prompts(self) -> list[str | list[int]]:
         prompt = self.prompt

@@ -28,7 +28,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)  # end the sequence like EOS does
     min_tokens: int = 0  # neither EOS, a stop token nor a stop string ends a sequence before this many
     logprobs: int | None = None  # None: none; k: the chosen token's logprob and the k most likely
-    n: int = 1  # sequences per prompt, forked from one prefill
+    n: int = 1  # sequences per prompt, forked from one prefill (with beams: the best n beams)
+    num_beams: int = 1  # > 1: beam search (runtime/beam.py), as transformers' generate(num_beams=...)
+    length_penalty: float = 1.0  # beam scores are sum of log-probs / length ** length_penalty
+    early_stopping: bool | str = False  # beam search: True, False or "never", as transformers takes it
 
     def problem(self) -> str | None:
         """What is wrong with these values, in one line, or None."""
@@ -45,8 +48,29 @@ class SamplingParams:
             (self.logprobs is None or 0 <= self.logprobs <= MAX_LOGPROBS,
              f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.num_beams >= 1, f"num_beams must be >= 1, got {self.num_beams}"),
+            (self.early_stopping in (True, False, "never"),
+             f"early_stopping must be true, false or \"never\", got {self.early_stopping!r}"),
+        )
+        return next((message for ok, message in checks if not ok), None) or self._beam_problem()
+
+    def _beam_problem(self) -> str | None:
+        if self.num_beams == 1:
+            return None
+        checks = (
+            (self.n <= self.num_beams, f"n ({self.n}) must be <= num_beams ({self.num_beams}): the best n beams "
+                                       "are returned"),
+            (self.greedy, "beam search is deterministic: set temperature to 0 (or leave it out)"),
+            (not self.stop, "stop strings are not supported with beam search; use stop_token_ids"),
+            (self.logprobs is None, "logprobs are not supported with beam search"),
+            (self.repetition_penalty == 1.0, "repetition_penalty is not supported with beam search"),
         )
         return next((message for ok, message in checks if not ok), None)
+
+    @property
+    def rows(self) -> int:
+        """Batch rows the request takes: one per beam, or one per sequence."""
+        return self.num_beams if self.num_beams > 1 else self.n
 
     @property
     def greedy(self) -> bool:

@@ -491,7 +491,7 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
                 error = ApiError(500, f"generation failed: {event.result.error}", kind="internal_error")
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
-            completion_tokens += event.token_id is not None
+            completion_tokens += event.result.generated_tokens if event.result is not None else 0
             if not (event.text or event.logprob or event.finish_reason):
                 continue
             index = submission.choice_index(event)

@@ -23,23 +23,20 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import tarfile
 import tempfile
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any, BinaryIO
 
-from .artifact import MANIFEST, SCHEMA_VERSION, Artifact, version_tuple
+from .artifact import MANIFEST, Artifact, manifest_problem, safe_relative, version_tuple
 from .errors import ArtifactError, IncompatibleArtifact, KilnError
-from .onnx_refs import MalformedModel, external_data
 from .signing import SIGNATURE_FILE, SignatureError, sign, verify_signature
 
 MAX_MANIFEST_BYTES = 64 << 20
-NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
 # Weights barely compress: an archive that would unpack to far more than this many times its own
 # size is refused before anything is written (a zip bomb within the per-file size checks).
 MAX_EXPANSION = 8
@@ -94,18 +91,6 @@ def _add(tar: tarfile.TarFile, name: str, size: int, handle: BinaryIO) -> None:
 
 
 # -- unpack ---------------------------------------------------------------------------------------
-
-def safe_relative(name: str) -> str | None:
-    """Why `name` may not be a path inside an artifact, or None if it may."""
-    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
-        return "an absolute path"
-    parts = PurePosixPath(name).parts
-    if ".." in parts:
-        return "a path that climbs out of its folder (..)"
-    if any(p in ("", ".") for p in name.split("/")):
-        return "a path with empty or '.' parts"
-    return None
-
 
 def unpack(archive: Path, dest: Path, public_key: Path | None = None, require_signature: bool = False) -> dict:
     """Extract `archive` into the empty folder `dest`, checking every member as it comes; returns
@@ -204,41 +189,6 @@ def _read_manifest(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo)
     return manifest, expected, raw
 
 
-def manifest_problem(manifest: Any) -> str | None:
-    """What makes `manifest` unsafe to act on (names, paths, shapes), or None."""
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
-        return "the manifest lists no files"
-    name = manifest.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        return f"the manifest's name {name!r} is not [a-z0-9][a-z0-9._-]*"
-    files = manifest["files"]
-    for path, entry in files.items():
-        problem = safe_relative(path)
-        if problem or path in (MANIFEST, SIGNATURE_FILE):
-            return f"the manifest lists {path!r}, {problem or 'a reserved name'}"
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0 \
-                or not isinstance(entry.get("sha256"), str):
-            return f"the manifest's entry for {path!r} has no valid size and sha256"
-    folders = {str(parent) for path in files for parent in PurePosixPath(path).parents}
-    clash = next((path for path in files if path in folders), None)
-    if clash:
-        return f"the manifest lists {clash!r} both as a file and as a folder"
-    variants = manifest.get("variants")
-    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
-        return "the manifest's variants are not a mapping of variant entries"
-    for variant, entry in variants.items():
-        engine = entry.get("engine") if isinstance(entry.get("engine"), dict) else {}
-        for path in (entry.get("model"), engine.get("file")):
-            if path is not None and (not isinstance(path, str) or path not in files):
-                return f"variant {variant!r} points at {path!r}, which the manifest does not list"
-        profiles = engine.get("profiles_file")
-        if profiles is not None:
-            folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)
-            if folder.as_posix() not in files:
-                return f"variant {variant!r} points at {folder.as_posix()!r}, which the manifest does not list"
-    return None
-
-
 def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: Path, sha256: str | None) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     source = tar.extractfile(member)
@@ -256,66 +206,13 @@ def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: P
 
 def check_integrity(folder: Path, public_key: Path | None = None, require_signature: bool = False,
                     rehash: bool = True) -> tuple[dict[str, Any], list[str]]:
-    """Schema, file list, hashes, external-data references, signature. Raises on the first problem;
-    returns the manifest and notes on what was checked. `rehash=False` is for a folder `unpack` has
-    just written: it hashed every byte as it wrote them."""
-    try:
-        artifact = Artifact.open(folder, verify=False)
-    except UnicodeDecodeError:
-        raise ArtifactError(f"{folder}: {MANIFEST} is not UTF-8") from None
-    problem = manifest_problem(artifact.manifest)
-    if problem:
-        raise ArtifactError(f"{folder}: {problem}")
-    files = artifact.manifest["files"]
-    _check_tree(folder, set(files))
-    if rehash:
-        artifact.verify(use_cache=False)  # a check on demand hashes every byte
-    notes = [f"schema {SCHEMA_VERSION}, {len(files)} files, sha256 and size of each"]
-    models = {e["model"] for e in artifact.manifest["variants"].values() if isinstance(e.get("model"), str)}
-    onnx_files = sorted({name for name in files if name.endswith(".onnx")} | models)
-    for name in onnx_files:
-        _check_external_data(folder, name, files)
-    notes.append(f"external data of {len(onnx_files)} ONNX file(s) inside the artifact and within its files")
+    """What the runtime checks before it loads (Artifact.verify, every byte hashed), then the signature.
+    Raises on the first problem; returns the manifest and notes on what was checked. `rehash=False` is
+    for a folder `unpack` has just written: it hashed every byte as it wrote them."""
+    artifact = Artifact.open(folder, verify=False)
+    notes = artifact.verify(use_cache=False, rehash=rehash)
     notes.append(_check_signature(folder, public_key, require_signature))
     return artifact.manifest, notes
-
-
-def _check_tree(folder: Path, listed: set[str]) -> None:
-    allowed = listed | {MANIFEST, SIGNATURE_FILE}
-    for root, dirs, names in os.walk(folder):
-        for name in dirs + names:
-            path = Path(root) / name
-            relative = path.relative_to(folder).as_posix()
-            if path.is_symlink():
-                raise ArtifactError(f"{folder}: {relative} is a symbolic link; an artifact holds none")
-            if name in names and relative not in allowed:
-                raise ArtifactError(f"{folder}: file {relative} is not listed in the manifest")
-
-
-def _check_external_data(folder: Path, name: str, files: dict[str, Any]) -> None:
-    path = folder / name
-    try:
-        refs = external_data(path)
-    except MalformedModel as exc:
-        raise ArtifactError(f"{folder}: {name} is not a readable ONNX file ({exc})") from None
-    for ref in refs:
-        location = ref.get("location")
-        if not location:
-            raise ArtifactError(f"{folder}: {name} has an external-data entry without a location; refused")
-        problem = safe_relative(location)
-        if problem:
-            raise ArtifactError(f"{folder}: {name} keeps tensors at {location!r}, {problem}; refused")
-        target = (PurePosixPath(name).parent / location).as_posix()
-        if target not in files:
-            raise ArtifactError(f"{folder}: {name} keeps tensors in {target}, which the manifest does not list")
-        offset, length = ref.get("offset", "0"), ref.get("length")
-        if length is None or not all(v.isascii() and v.isdigit() for v in (offset, length)):
-            raise ArtifactError(f"{folder}: {name} has an external-data entry without a plain numeric offset and "
-                                "length; refused")
-        offset, length, size = int(offset), int(length), files[target]["size"]
-        if offset + length > size:
-            raise ArtifactError(f"{folder}: {name} reads {target} at offset {offset} + length {length}, past its "
-                                f"{size} bytes; refused")
 
 
 def _check_signature(folder: Path, public_key: Path | None, require: bool) -> str:

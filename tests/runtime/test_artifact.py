@@ -66,6 +66,7 @@ def test_prompts_file_and_chat(tiny_artifacts, tmp_path):
     result = _run_model(tiny_artifacts["llama"], "--prompts-file", prompts, "--max-new-tokens", "3",
                         "--output", tmp_path / "o.jsonl")
     assert result.returncode == 0, result.stderr
-    rows = [json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()]
+    rows = sorted((json.loads(line) for line in (tmp_path / "o.jsonl").read_text().splitlines()),
+                  key=lambda row: row["index"])
     assert len(rows) == 2 and all(r["generated_tokens"] >= 1 for r in rows)
     assert rows[1]["prompt_tokens"] > rows[0]["prompt_tokens"]  # the chat template added its markers

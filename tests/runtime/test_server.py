@@ -198,6 +198,25 @@ def test_stop_sequences_seed_and_max_tokens(server, reference):
     assert short.usage.completion_tokens == 3 and short.choices[0].finish_reason == "length"
 
 
+def test_beam_search_as_vllm_takes_it(server, reference):
+    client = server.client()
+    beams = reference.generate([PROMPTS[1]], SamplingParams(max_new_tokens=8, num_beams=3, n=2))[0]
+    answer = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=8, n=2, best_of=3,
+                                       extra_body={"use_beam_search": True})  # 3 beams, the best 2 back
+    assert [c.text for c in answer.choices] == [beams.text, beams.alternatives[0].text]
+    assert answer.usage.completion_tokens == beams.generated_tokens + beams.alternatives[0].generated_tokens
+    messages = [{"role": "user", "content": PROMPTS[0]}]
+    alone = reference.generate([messages], SamplingParams(max_new_tokens=8, num_beams=4, length_penalty=2.0))[0]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8,
+                                          extra_body={"num_beams": 4, "length_penalty": 2.0})
+    assert chat.choices[0].message.content == alone.text
+    streamed = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, stream=True,
+                                                   stream_options={"include_usage": True},
+                                                   extra_body={"num_beams": 4, "length_penalty": 2.0}))
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == alone.text
+    assert streamed[-1].usage.completion_tokens == alone.generated_tokens
+
+
 def test_64_concurrent_staggered_requests_each_get_their_alone_answer(server, reference):
     rng = np.random.default_rng(0)
     words = "the quick brown fox jumps over the lazy dog while a KV cache keeps keys".split()
@@ -280,6 +299,10 @@ def test_full_queue_gives_429_with_retry_after(serve_artifact):
                                                                                "prompt, 5000 for the completion)"),
     ({"model": MODEL, "prompt": [[]]}, 400, "prompt", "must not be empty"),
     ({"model": MODEL, "prompt": [999999]}, 400, "prompt", "token ids must be in [0, 320)"),
+    ({"model": MODEL, "prompt": "x", "use_beam_search": True, "n": 2, "temperature": 0.8}, 400, "prompt",
+     "set temperature to 0"),
+    ({"model": MODEL, "prompt": "x", "num_beams": 2, "n": 3}, 400, "prompt", "must be <= num_beams"),
+    ({"model": MODEL, "prompt": "x", "num_beams": 2, "early_stopping": "soon"}, 422, "early_stopping", "never"),
 ])
 def test_bad_requests_get_openai_shaped_errors(server, payload, status, param, message):
     code, _, body = server.post("/v1/completions", payload)

@@ -248,14 +248,21 @@ def _with_external_data(tiny_artifacts: Path, tmp_path: Path, edit) -> Path:
     ("unlisted", lambda e: setattr(e["location"], "value", "weights.bin"), "which the manifest does not list"),
     ("past the end", lambda e: setattr(e["length"], "value", str(10 ** 9)), "past its"),
 ])
-def test_external_data_references_are_checked_before_loading(case, edit, message, tiny_artifacts, tmp_path):
+def test_external_data_references_are_checked_before_loading(case, edit, message, tiny_artifacts, tmp_path,
+                                                             monkeypatch):
     good = _with_external_data(tiny_artifacts["llama"], tmp_path / "good", lambda e: None)
     assert cli("verify", good).exit_code == 0
     bad = _with_external_data(tiny_artifacts["llama"], tmp_path / "bad", edit)
     result = cli("verify", bad)
     assert result.exit_code == 1 and message in result.stderr, result.output
+    with pytest.raises(ArtifactError, match=message):  # loading and packing make the same check as verify
+        Artifact.open(bad)
     archive = tmp_path / "bad.kiln"
-    pack(bad, archive)  # pack checks hashes only; install must still refuse
+    with pytest.raises(ArtifactError, match=message):
+        pack(bad, archive)
+    with monkeypatch.context() as unchecked:  # an archive made by a tool that checks nothing: install refuses it
+        unchecked.setattr(Artifact, "verify", lambda self, *args, **kwargs: [])
+        pack(bad, archive)
     assert cli("install", archive, "--into", tmp_path / "srv").exit_code == 1
 
 
