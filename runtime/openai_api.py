@@ -253,8 +253,8 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
         return ApiError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})")
     location = [str(part) for part in first.get("loc", ()) if part != "body"]
     # A union field (prompt, stop, content) reports each alternative; its own name is what matters.
-    location = [part for part in location if part not in ("str", "int") and not part.startswith(("list[", "dict["))
-                ] or location
+    location = [part for part in location if part not in ("str", "int", "bool")
+                and not part.startswith(("list[", "dict[", "literal["))] or location
     param = ".".join(location) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors[:3])
