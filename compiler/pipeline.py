@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backend import OnnxRuntimeBackend, open_backend
+from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, measure, reference_run
 from .compare import Side, assemble, eager_side, read_inputs
@@ -188,6 +189,15 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
                "fusions": optimized["rules"], "gates": gates, "accuracy": metrics,
                "report": f"variants/{variant.name}/report.json", "comparison": f"reports/{variant.name}.html"}
+    if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
+        with log.spinner("measuring memory in a fresh process"):
+            summary["memory"] = measure_in_subprocess(folder / graph.files[0], graph.interface,
+                                                      recipe.export.max_context)
+        memory = summary["memory"]
+        log.note(f"memory: weights {memory['weights_bytes'] / 2**20:.0f} MiB resident, baseline "
+                 f"{memory['baseline_bytes'] / 2**20:.0f} MiB, prefill activations "
+                 f"{memory['activation_bytes_per_token'] / 1024:.1f} KiB a token + "
+                 f"{memory['activation_bytes_per_pair']:.0f} B a token x slot")
     if failures:
         return {**entry, **summary, "status": "failed", "failed_gates": failures}
     if variant.target == "tensorrt":

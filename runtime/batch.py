@@ -233,10 +233,12 @@ class Answerer:
         from .artifact import Artifact
         from .backend import open_backend
         from .generator import Generator
+        from .memory import require_fit
         from .tokenizer import Tokenizer
 
         artifact = Artifact.open(config.artifact, verify=config.verify)
         entry = artifact.variant(config.variant)
+        require_fit(artifact.manifest, entry, config.max_batch_size, prefill_tokens=config.max_prefill_tokens)
         backend = open_backend(artifact.folder, entry, None, config.threads, verified=config.verify)
         generator = Generator(artifact, backend, Tokenizer(artifact.tokenizer_dir), config.max_batch_size,
                               config.max_prefill_tokens)

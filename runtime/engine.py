@@ -201,6 +201,9 @@ class Engine:
         self._aborted_in_prefill: set[Hashable] = set()
         self._steps_since_join = 0
         self._prefilled_since_decode = 0
+        # KV slots the running sequences may grow to, at most (kiln serve sets it from the memory plan):
+        # a request waits while admitting it could take the cache past it. None: rows are the only bound.
+        self.max_tokens_in_flight: int | None = None
 
     # -- requests in ---------------------------------------------------------------------------
 
@@ -336,10 +339,15 @@ class Engine:
         """Move waiting requests into a new prefill batch: as many rows as are free, first come first
         served, within the prefill token budget (counted with padding), at least one request."""
         room = self.max_batch_size - self._live_rows()
+        reserved = self._reserved()
         group, rows, width = [], 0, 0
         for request in self.waiting:
             wider = max(width, len(request.prompt))
             if rows + request.params.rows > room or (group and (len(group) + 1) * wider > self.max_prefill_tokens):
+                break
+            reserved += request.params.rows * self._reach(request)
+            if (group or self._live_rows()) and self.max_tokens_in_flight is not None \
+                    and reserved > self.max_tokens_in_flight:
                 break
             group.append(request)
             rows, width = rows + request.params.rows, wider
@@ -349,12 +357,20 @@ class Engine:
         for request in group:
             request.admitted = now
         ids, _ = left_padded([r.prompt for r in group], self.pad_id)
-        cache = self.backend.new_cache(len(group), width + self._growth(width))
+        cache = self.backend.new_cache(len(group), self._capacity(width))
         for _ in group:  # only now: had the cache failed, they would still be waiting (and be failed there)
             self.waiting.popleft()
         self.prefill = _Prefill(group, ids, _Batch(cache, [None] * len(group), np.zeros(len(group), np.int64)))
         self._aborted_in_prefill = set()
         return True
+
+    def _reach(self, request: Request) -> int:
+        """The most KV slots one of the request's sequences can come to hold."""
+        return min(len(request.prompt) + request.params.max_new_tokens, self.max_context)
+
+    def _reserved(self) -> int:
+        batch = self.running
+        return 0 if batch is None else sum(self._reach(row.request) for row in batch.rows if row is not None)
 
     def _prefill_step(self) -> list[Event]:
         prefill = self.prefill
@@ -584,8 +600,10 @@ class Engine:
         self.running.rows[row] = None
         self.running.lengths[row] = 0
 
-    def _growth(self, width: int) -> int:
-        return max(MIN_GROWTH, width // 2)
+    def _capacity(self, width: int) -> int:
+        """Slots for shared buffers that must hold `width`: room to grow, but never past the max context
+        (no row needs more; columns of padding are dropped first), so the memory plan's bound holds."""
+        return max(width, min(width + max(MIN_GROWTH, width // 2), self.max_context))
 
     def _join(self, prefilled: _Batch, sequences: list[_Sequence], sources: list[int]) -> None:
         """Copy the prefilled rows `sources` into free rows of the running batch, one per sequence (a
@@ -594,8 +612,7 @@ class Engine:
         self._steps_since_join = 0
         running = self.running
         if self._live_rows() == 0:
-            capacity = prefilled.width + self._growth(prefilled.width)
-            cache = self.backend.keep_rows(prefilled.cache, sources, 0, capacity)
+            cache = self.backend.keep_rows(prefilled.cache, sources, 0, self._capacity(prefilled.width))
             self.running = _Batch(cache, list(sequences), lengths.copy())
             return
         free = running.free_rows()
@@ -604,7 +621,7 @@ class Engine:
         if missing or front:  # the one case a join copies the running cache: more rows, or wider
             order = list(range(len(running.rows))) + [-1] * missing
             width = running.width + front
-            capacity = max(running.cache.capacity or 0, width + self._growth(width))
+            capacity = max(running.cache.capacity or 0, self._capacity(width))
             running.cache = self.backend.keep_rows(running.cache, order, front, capacity)
             running.rows += [None] * missing
             running.lengths = np.concatenate([running.lengths, np.zeros(missing, np.int64)])
@@ -627,7 +644,7 @@ class Engine:
             width -= padding
         if capacity is not None and width + slots > capacity:
             rows = list(range(len(batch.rows)))
-            batch.cache = self.backend.keep_rows(batch.cache, rows, 0, width + slots + self._growth(width))
+            batch.cache = self.backend.keep_rows(batch.cache, rows, 0, self._capacity(width + slots))
 
     def _compact(self) -> None:
         """Drop free rows when decoding them until the batch ends would cost more than one copy of the

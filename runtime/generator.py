@@ -16,6 +16,7 @@ from typing import Any
 from .artifact import Artifact
 from .backend import open_backend
 from .engine import DEFAULT_PARAMS, Engine, Event, Prompt, RequestError, Result, left_padded
+from .memory import require_fit
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -37,6 +38,7 @@ class Generator:
              max_prefill_tokens: int = 512) -> Generator:
         artifact = Artifact.open(artifact_dir, verify=verify)
         entry = artifact.variant(variant)
+        require_fit(artifact.manifest, entry, max_batch_size, providers, max_prefill_tokens)
         backend = open_backend(artifact.folder, entry, providers, threads, verified=verify)
         return cls(artifact, backend, Tokenizer(artifact.tokenizer_dir), max_batch_size, max_prefill_tokens)
 

