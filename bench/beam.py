@@ -5,9 +5,9 @@
 
 The same --prompts token-id prompts of 30 to 60 tokens (bench/generate.py's), --new-tokens each,
 EOS ignored by neither side (beams end as transformers ends them). Each round runs, one after the
-other: transformers `generate(num_beams=K, do_sample=False)` one prompt at a time (its eager
-attention, fp32, torch threads = --threads); Kiln one prompt at a time; Kiln all prompts at once
-(their beams share the batch). Tokens/s counts the returned best beam's tokens, the medians over
+other: transformers `generate(num_beams=K, do_sample=False)` (its eager attention, fp32, torch
+threads = --threads) one prompt at a time, then all prompts in one left-padded batch; Kiln the same
+two ways (all at once: their beams share the batch). Tokens/s counts the returned best beam's tokens, the medians over
 rounds; also how many prompts gave the same best beam as transformers. Writes bench/results/beam.json
 and prints a table.
 """
@@ -28,17 +28,22 @@ sys.path.insert(0, str(ROOT / "bench"))
 from generate import make_prompts  # noqa: E402
 
 
-def eager_beams(model, prompts, beams: int, new_tokens: int, eos: list[int]) -> tuple[float, list[list[int]]]:
+def eager_beams(model, prompts, beams: int, new_tokens: int, eos: list[int], together: bool
+                ) -> tuple[float, list[list[int]]]:
+    """transformers' generate, one prompt at a time or all in one left-padded batch."""
     import torch
 
     start, outputs = time.perf_counter(), []
+    groups = [prompts] if together else [[p] for p in prompts]
     with torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt])
-            out = model.generate(ids, attention_mask=torch.ones_like(ids), num_beams=beams, do_sample=False,
+        for group in groups:
+            width = max(map(len, group))
+            ids = torch.tensor([[eos[0]] * (width - len(p)) + p for p in group])
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+            out = model.generate(ids, attention_mask=mask, num_beams=beams, do_sample=False,
                                  max_new_tokens=new_tokens, eos_token_id=eos, pad_token_id=eos[0])
-            row = out[0, len(prompt):].tolist()
-            outputs.append(row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))])
+            for row in out[:, width:].tolist():
+                outputs.append(row[:next((i + 1 for i, t in enumerate(row) if t in eos), len(row))])
     return time.perf_counter() - start, outputs
 
 
@@ -80,12 +85,13 @@ def main() -> None:
     params = SamplingParams(max_new_tokens=args.new_tokens, num_beams=args.beams)
     generator.warmup()
     runs: dict[str, list[float]] = {"transformers eager, one prompt at a time": [],
+                                    "transformers eager, all prompts in one batch": [],
                                     "kiln, one prompt at a time": [], "kiln, all prompts in one batch": []}
     outputs: dict[str, list[list[int]]] = {}
     for _ in range(args.rounds):
         for name in runs:
             if name.startswith("transformers"):
-                seconds, tokens = eager_beams(model, prompts, args.beams, args.new_tokens, eos)
+                seconds, tokens = eager_beams(model, prompts, args.beams, args.new_tokens, eos, "all" in name)
             else:
                 seconds, tokens = kiln_beams(generator, prompts, params, together="all" in name)
             runs[name].append(sum(map(len, tokens)) / seconds)

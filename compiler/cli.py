@@ -104,11 +104,12 @@ def compare_main(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate
 
 def _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir, device, dtype,
              threads, speed_repeats, verify):
-    from .compare import check_same_tokenizer, compare, open_side, read_gates, read_inputs
+    from .compare import check_same_tokenizer, compare, open_side, read_gates, read_input_files, read_inputs
     from .progress import StageLog
     from .report import write_report
 
     given_gates = read_gates(gates_file, gate_items, {}) if gates_file or gate_items else None  # before loading
+    read_input_files(prompts_file, text_file)
     log = StageLog()
     with log.stage("open", f"A {a}"):
         side_a = open_side(a, device, dtype, threads, verify)

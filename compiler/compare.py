@@ -131,8 +131,8 @@ def _variant_entry(artifact: Artifact, name: str | None) -> dict[str, Any]:
 
 # -- inputs and gates -----------------------------------------------------------------------------
 
-def read_inputs(side: Side, prompts_file: Path | None, text_file: Path | None, max_new_tokens: int,
-                max_context: int) -> tuple[Inputs, list[str]]:
+def read_input_files(prompts_file: Path | None, text_file: Path | None) -> tuple[list[str], str]:
+    """The prompts and the held-out text, checked before any model is opened."""
     prompts_file, text_file = prompts_file or DEFAULT_PROMPTS, text_file or DEFAULT_TEXT
     for kind, file in (("prompts", prompts_file), ("text", text_file)):
         if not file.is_file():
@@ -140,7 +140,13 @@ def read_inputs(side: Side, prompts_file: Path | None, text_file: Path | None, m
     prompts = read_prompts(prompts_file)
     if not prompts:
         raise CompareInputError(f'prompts file {prompts_file}: no prompts; write one {{"prompt": "..."}} per line')
-    text = side.encode(read_utf8(text_file, f"text file {text_file}", "text", CompareInputError))
+    return prompts, read_utf8(text_file, f"text file {text_file}", "text", CompareInputError)
+
+
+def read_inputs(side: Side, prompts_file: Path | None, text_file: Path | None, max_new_tokens: int,
+                max_context: int) -> tuple[Inputs, list[str]]:
+    prompts, raw_text = read_input_files(prompts_file, text_file)
+    text = side.encode(raw_text)
     if len(text) < 2:
         raise CompareInputError(f"text file {text_file}: needs at least 2 tokens of text to score perplexity")
     limit = max_context - max_new_tokens

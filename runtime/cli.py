@@ -54,8 +54,9 @@ def _prompt_of(line: str, number: int, prompts_file: str) -> str | list | BadLin
         return BadLine(f"not JSON ({where}: {getattr(exc, 'msg', type(exc).__name__)})")
     if isinstance(record, str):
         return record
-    if isinstance(record, dict) and isinstance(record.get("messages") or record.get("prompt", ""), str | list):
-        return record.get("messages") or record.get("prompt", "")
+    prompt = record.get("messages") or record.get("prompt", "") if isinstance(record, dict) else None
+    if isinstance(prompt, str | list):
+        return prompt
     return BadLine(f'not a prompt ({where}: want a JSON string, {{"prompt": "..."}} or {{"messages": [...]}})')
 
 

@@ -214,11 +214,13 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
             raise KilnError("give an ARTIFACT folder or --config config.json (one of them)")
         if memory_text and device:
             raise KilnError("give --memory or --device, not both")
-        title, interface, measured, weights, max_context = _plan_source(artifact, variant, config_file, dtype)
+        title, interface, measured, weights, max_context, target = _plan_source(artifact, variant, config_file,
+                                                                                dtype)
         weights_source = "computed from the config's shapes" if config_file else "not measured: the files' size"
         if memory_text:
             budget, source = planner.parse_size(memory_text), "--memory"
-        elif device:
+        elif device or target == "tensorrt":  # an engine's memory is the GPU's
+            device = device or "cuda:0"
             budget, source = planner.free_gpu_memory(device), f"free on {device}"
         else:
             budget, source = planner.free_host_memory(), "free on this host (MemAvailable)"
@@ -232,8 +234,8 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
 
 
 def _plan_source(artifact: Path | None, variant: str | None, config_file: Path | None, dtype: str) -> tuple:
-    """(title, interface, measured memory or None, weights bytes, max context) of an artifact's variant
-    or of a bare config.json."""
+    """(title, interface, measured memory or None, weights bytes, max context, target) of an artifact's
+    variant or of a bare config.json."""
     import json
 
     from .artifact import Artifact
@@ -249,13 +251,17 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
             raise KilnError(f"--config {config_file}: not a JSON object")
         interface, weights = config_interface(config, dtype)
         max_context = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
-        return f"kiln plan: {config_file} ({dtype}, from its shapes alone)", interface, None, weights, max_context
+        return (f"kiln plan: {config_file} ({dtype}, from its shapes alone)", interface, None, weights, max_context,
+                None)
     opened = Artifact.open(artifact, verify=False)  # the plan reads the manifest only
     entry = opened.variant(variant)
     files = [f for f in entry.get("files", []) if f]
     weights = sum(opened.manifest["files"][f]["size"] for f in files if f in opened.manifest["files"])
-    title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({entry.get('target')}, {entry.get('precision')})"
-    return title, entry["interface"], entry.get("memory"), weights, opened.manifest["model"]["max_context"]
+    kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
+                                         (entry.get("quantize") or {}).get("mode")) if k)
+    title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
+    return (title, entry["interface"], entry.get("memory"), weights, opened.manifest["model"]["max_context"],
+            entry.get("target"))
 
 
 @kiln.command()

@@ -138,3 +138,19 @@ def test_run_model_prints_the_best_beams(tiny_artifacts, tmp_path):
     expected = Generator.load(tiny_artifacts["llama"]).generate(
         ["The quick"], SamplingParams(max_new_tokens=6, num_beams=3, n=2))[0]
     assert rows[0]["token_ids"] == expected.token_ids
+
+
+def test_batch_rows_take_beam_fields(tiny_artifacts):
+    from runtime import batch
+
+    artifact = tiny_artifacts["llama"]
+    rows = [{"id": "beams", "prompt": "The quick", "max_tokens": 6, "num_beams": 3, "n": 2},
+            {"id": "vllm", "prompt": "Paris", "max_tokens": 6, "use_beam_search": True, "n": 2},
+            {"id": "bad", "prompt": "Paris", "max_tokens": 6, "num_beams": 2, "temperature": 0.9}]
+    lines = {line["id"]: line for line in batch.run(artifact, rows)}
+    generator = Generator.load(artifact)
+    expected = generator.generate(["The quick", "Paris"], SamplingParams(max_new_tokens=6, num_beams=3, n=2))
+    assert [c["text"] for c in lines["beams"]["choices"]] == [expected[0].text, expected[0].alternatives[0].text]
+    two = generator.generate(["Paris"], SamplingParams(max_new_tokens=6, num_beams=2, n=2))[0]
+    assert [c["text"] for c in lines["vllm"]["choices"]] == [two.text, two.alternatives[0].text]
+    assert "set temperature to 0" in lines["bad"]["error"]["message"]
