@@ -21,17 +21,29 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "kiln_grouped"
+# Keyword arguments transformers passes that change nothing here (inference, no dropout; the mask
+# already holds causality and the window; position information is already in query and key).
+IGNORED_KWARGS = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal",
+                  "output_attentions", "cache_position", "layer_idx", "use_cache"}
 
 
 def grouped_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float,
-                      dropout: float = 0.0, **kwargs: Any) -> tuple[Any, None]:
+                      dropout: float = 0.0, softcap: float | None = None, sliding_window: int | None = None,
+                      **kwargs: Any) -> tuple[Any, None]:
+    """`sliding_window` is applied by the mask transformers builds for the layer; `softcap` (Gemma 2)
+    as its eager attention does: scores / cap, tanh, * cap, before the mask."""
     import torch
 
+    unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in IGNORED_KWARGS)
+    if unknown:  # something this attention does not compute: refuse rather than export a wrong graph
+        raise NotImplementedError(f"Kiln's grouped attention does not implement {', '.join(unknown)}")
     batch, heads, seq, head_dim = query.shape
     kv_heads, total = key.shape[1], key.shape[2]
     group = heads // kv_heads
     grouped_query = query.reshape(batch, kv_heads, group * seq, head_dim)
     scores = torch.matmul(grouped_query, key.transpose(2, 3)) * scaling
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if attention_mask is not None:
         mask = attention_mask[:, :, :, :total].unsqueeze(2)  # [b, 1, 1, s, t], shared by the group
         scores = scores.reshape(batch, kv_heads, group, seq, total) + mask

@@ -10,7 +10,9 @@ classes, so what differs per family is only how to read the shapes the graph int
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .errors import UnsupportedArchitecture
 
@@ -20,7 +22,7 @@ class Family:
     name: str
     # "rotary" positions extend to any length the recipe asks for (within the config's limit);
     # "learned" positions are a table, so max_context can never exceed it.
-    positions: str
+    positions: str = "rotary"
     # Config attributes, in order of preference, that give the number of KV heads.
     kv_heads_attrs: tuple[str, ...] = ("num_key_value_heads", "num_attention_heads")
     # The transformers attention implementation the export traces (see compiler/load.py): "grouped"
@@ -28,28 +30,69 @@ class Family:
     # standard (module, query, key, value, mask, scaling) call; others keep transformers' "eager".
     attention: str = "grouped"
     notes: str = ""
+    # Why a family transformers has is refused (the export cannot trace it), in one line; None: supported.
+    refused: str | None = None
+    # Where the config's attributes do not say how many KV heads the cache holds: a function of the config.
+    cache_heads: Callable[[Any], int] | None = None
 
 
+def falcon_cache_heads(config: Any) -> int:
+    """Falcon's cache holds what its attention repeats the KV heads to, not what its config names:
+    all the query heads in the new decoder architecture (Falcon 40B/180B), else num_kv_heads, or 1 for
+    multi-query (7B) (transformers' FalconAttention.forward)."""
+    if config.new_decoder_architecture:
+        return config.num_attention_heads
+    return 1 if config.multi_query else config.num_kv_heads
+
+
+# What differs between families that the export and the fusions must know is read from the config
+# (head_dim, layer_types for sliding windows, attention scaling and soft-caps come through the
+# traced graph itself); a row records only what the config does not say.
 FAMILIES: dict[str, Family] = {
-    "llama": Family("Llama", positions="rotary", notes="SmolLM2, TinyLlama, Llama 2/3; GQA"),
-    "mistral": Family("Mistral", positions="rotary", notes="GQA, sliding window"),
-    "qwen2": Family("Qwen2", positions="rotary", notes="GQA, QKV bias"),
+    "llama": Family("Llama", notes="SmolLM2, TinyLlama, Llama 2/3; GQA"),
+    "mistral": Family("Mistral", notes="GQA, sliding window"),
+    "qwen2": Family("Qwen2", notes="GQA, QKV bias"),
+    "qwen3": Family("Qwen3", notes="GQA, q/k RMSNorm, explicit head_dim"),
+    "phi3": Family("Phi-3", notes="fused qkv and gate_up projections, su/longrope scaling"),
+    "phi": Family("Phi", notes="phi-2: partial rotary, parallel attention and MLP, LayerNorm, dense bias"),
+    "gemma": Family("Gemma", notes="RMSNorm with 1 + weight, scaled embeddings, GeGLU"),
+    "gemma2": Family("Gemma 2", notes="soft-capped attention and logits, alternating sliding-window layers, "
+                                      "pre/post norms"),
+    "gpt_neox": Family("GPT-NeoX", notes="Pythia: partial rotary, parallel residual, fused qkv"),
+    "falcon": Family("Falcon", cache_heads=falcon_cache_heads, attention="eager",
+                     notes="new decoder architecture, multi-query; its attention does not go through "
+                           "AttentionInterface, so the export traces transformers' eager attention"),
+    "olmo": Family("OLMo", notes="non-parametric LayerNorm, optional qkv clipping"),
+    "olmo2": Family("OLMo 2", notes="post-norms, q/k RMSNorm"),
+    "stablelm": Family("StableLM", notes="partial rotary, LayerNorm"),
+    "granite": Family("Granite", notes="embedding, attention, residual and logits multipliers"),
+    "starcoder2": Family("Starcoder2", notes="sliding window, LayerNorm, GELU MLP with bias"),
     # GPT-2: fused c_attn Conv1D, learned position table, LayerNorm + GELU; multi-head KV.
     "gpt2": Family("GPT-2", positions="learned", kv_heads_attrs=("n_head",), attention="eager"),
+    "mixtral": Family("Mixtral", refused="its mixture-of-experts routing does not export: torch.onnx cannot "
+                                         "translate the data-dependent expert dispatch (nonzero over the router's "
+                                         "top-k) to ONNX"),
 }
 
 
 def supported() -> str:
-    return ", ".join(f"{f.name} ({key})" for key, f in FAMILIES.items())
+    return ", ".join(f"{f.name} ({key})" for key, f in FAMILIES.items() if f.refused is None)
 
 
 def family_for(config: object) -> Family:
-    model_type = getattr(config, "model_type", None)
-    if model_type not in FAMILIES:
+    return family_named(getattr(config, "model_type", None))
+
+
+def family_named(model_type: str | None) -> Family:
+    """The row of a config's model_type; UnsupportedArchitecture naming it, and why, for any other."""
+    family = FAMILIES.get(model_type)
+    if family is None:
         raise UnsupportedArchitecture(
             f"model type {model_type!r} is not supported; supported families: {supported()}"
         )
-    return FAMILIES[model_type]
+    if family.refused:
+        raise UnsupportedArchitecture(f"model type {model_type!r} ({family.name}) is refused: {family.refused}")
+    return family
 
 
 @dataclass(frozen=True)
@@ -62,13 +105,17 @@ class Shapes:
     head_dim: int
     vocab_size: int
     max_positions: int
-    sliding_window: int | None = None  # attention span in slots (Mistral); None attends to everything
+    sliding_window: int | None = None  # the widest attention span of a sliding layer, in slots
+    # Each layer's span: None where it attends to everything (Gemma 2 alternates the two kinds).
+    layer_windows: tuple[int | None, ...] = ()
 
 
 def shapes_of(config: object) -> Shapes:
     family = family_for(config)
+    windows = layer_windows(config)
     heads = config.num_attention_heads
-    kv_heads = next(getattr(config, a) for a in family.kv_heads_attrs if getattr(config, a, None))
+    kv_heads = family.cache_heads(config) if family.cache_heads else \
+        next(getattr(config, a) for a in family.kv_heads_attrs if getattr(config, a, None))
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
     return Shapes(
         layers=config.num_hidden_layers,
@@ -77,5 +124,16 @@ def shapes_of(config: object) -> Shapes:
         head_dim=head_dim,
         vocab_size=config.vocab_size,
         max_positions=config.max_position_embeddings,
-        sliding_window=getattr(config, "sliding_window", None) or None,
+        sliding_window=max((w for w in windows if w), default=None),
+        layer_windows=windows,
     )
+
+
+def layer_windows(config: object) -> tuple[int | None, ...]:
+    """transformers' layer_types ("sliding_attention" / "full_attention") where the config has them,
+    else the config's sliding_window on every layer (or on none)."""
+    window = getattr(config, "sliding_window", None) or None
+    types = getattr(config, "layer_types", None)
+    if types:
+        return tuple(window if kind == "sliding_attention" else None for kind in types)
+    return (window,) * config.num_hidden_layers

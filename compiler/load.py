@@ -23,7 +23,7 @@ from runtime.artifact import sha256_file
 from runtime.files import read_utf8
 
 from .errors import CheckpointError, RecipeError, UnsupportedArchitecture
-from .families import FAMILIES, Family, family_for, supported
+from .families import Family, family_for, family_named, supported
 from .recipe import ModelSpec
 
 # A causal LM head class ends in one of these; anything else (SequenceClassification, a bare
@@ -128,25 +128,27 @@ def _cached_snapshot(repo_id: str, revision: str | None) -> Path:
         ) from None
 
 
-def preflight(spec: ModelSpec, max_context: int) -> Source:
+def preflight(spec: ModelSpec, max_context: int | None) -> int | None:
     """What can be known of the checkpoint without loading it (nor importing transformers): the source
     exists and is of a known kind, its config is readable and of a supported family, and the recipe's
-    max_context is within the model's limit. So these fail in a second, not after a load."""
+    max_context is within the model's limit. So these fail in a second, not after a load. Returns the
+    model's position limit where its config or GGUF header gives one."""
     source = resolve_source(spec)
     if source.kind == "gguf":
         key, limit = _gguf_context_length(source)
     else:
         config = _raw_config(source)
         _check_is_causal_lm(source, config.get("architectures"))
-        model_type = config.get("model_type")
-        if model_type is not None and model_type not in FAMILIES:  # without one, transformers may still infer it
-            raise UnsupportedArchitecture(f"model.source {spec.source}: model type {model_type!r} is not "
-                                          f"supported; supported families: {supported()}")
+        if config.get("model_type") is not None:  # without one, transformers may still infer it
+            try:
+                family_named(config["model_type"])
+            except UnsupportedArchitecture as exc:
+                raise UnsupportedArchitecture(f"model.source {spec.source}: {exc}") from None
         key = "max_position_embeddings"  # transformers' name, whichever key the family's config.json uses
         limit = next((config[k] for k in POSITION_LIMIT_KEYS if isinstance(config.get(k), int)), None)
-    if limit is not None and max_context > limit:
+    if limit is not None and max_context is not None and max_context > limit:
         raise RecipeError(f"export.max_context: {max_context} exceeds the model's {key} {limit}; use at most {limit}")
-    return source
+    return limit
 
 
 def _raw_config(source: Source) -> dict[str, Any]:

@@ -34,15 +34,19 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
     model = ir.load(str(exported.model_path))
     nodes_before = len(model.graph)
     optimizer.optimize(model)
-    rules = {}
+    rules, unmatched = {}, {}
     if target == "onnxruntime" and fuse:
-        rules = {rule.name: rule.apply(model, exported.shapes) for rule in ONNXRUNTIME_RULES}
+        for rule in ONNXRUNTIME_RULES:
+            rules[rule.name], why = rule.run(model, exported.shapes)
+            if why:
+                unmatched[rule.name] = why
     _drop_unused_initializers(model)
     interface = _interface_after(exported.interface, rules)
     optimized = _save(model, exported, interface, folder)
     report: dict[str, Any] = {
         "target": target,
         "rules": rules,
+        "unmatched": unmatched,
         "nodes_before": nodes_before,
         "nodes_after": optimized.node_count,
         "ops_after": dict(sorted(_op_counts(model).items())),

@@ -31,6 +31,7 @@ from .progress import StageLog
 from .quantize import check_finite, quantize
 from .recipe import (
     DEFAULT_CALIBRATION,
+    DEFAULT_MAX_CONTEXT,
     DEFAULT_PROMPTS,
     DEFAULT_TEXT,
     EngineSpec,
@@ -40,6 +41,7 @@ from .recipe import (
     load_recipe,
     read_prompts,
     resolve_path,
+    with_max_context,
 )
 from .report import write_report
 from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
@@ -54,14 +56,19 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     started = time.perf_counter()
     recipe, base = load_recipe(recipe_path)
     variants = recipe.select_variants(variant_names)
-    preflight(recipe.model, recipe.export.max_context)
+    limit = preflight(recipe.model, recipe.export.max_context)
+    asked = recipe.export.max_context
+    if asked is None:
+        recipe = with_max_context(recipe, min(DEFAULT_MAX_CONTEXT, limit or DEFAULT_MAX_CONTEXT), str(recipe_path))
+        variants = recipe.select_variants(variant_names)
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
     for stale in remove_stale_staging(final):
         log.note(f"removed {stale}, left by a compile that was killed")
     with staging_folder(final) as staging:
         with log.stage("load", recipe.model.source):
             checkpoint = load_checkpoint(recipe.model)
-        _check_context(recipe, checkpoint)
+        recipe = _check_context(recipe, checkpoint, asked, str(recipe_path))
+        variants = recipe.select_variants(variant_names)
         with log.stage("export", f"opset {recipe.export.opset}, logits: {recipe.export.logits}"):
             with log.spinner("tracing with torch.export and translating to ONNX"):
                 exported = export(checkpoint, recipe.export, staging / ".work" / "export", debug=debug)
@@ -108,13 +115,18 @@ def _output_folder(path: Path) -> Path:
     return path
 
 
-def _check_context(recipe: Recipe, checkpoint: Checkpoint) -> None:
+def _check_context(recipe: Recipe, checkpoint: Checkpoint, asked: int | None, where: str) -> Recipe:
+    """The recipe's max_context against the loaded config's limit (which the preflight may not have
+    known): an error if the recipe asked for more, else the default lowered to the limit."""
     limit = checkpoint.config.max_position_embeddings
+    if asked is None and recipe.export.max_context > limit:
+        return with_max_context(recipe, limit, where)
     if recipe.export.max_context > limit:
         raise RecipeError(
             f"export.max_context: {recipe.export.max_context} exceeds the model's "
             f"max_position_embeddings {limit}; use at most {limit}"
         )
+    return recipe
 
 
 def _describe(variant: Variant) -> str:
@@ -156,6 +168,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     graph, optimized = optimize(exported, variant.target, variant.fuse, work / "optimized")
     log.note(f"optimize: {optimized['nodes_before']} -> {optimized['nodes_after']} nodes; "
              + ", ".join(f"{k} {v}" for k, v in optimized["rules"].items()))
+    for rule, why in optimized["unmatched"].items():
+        log.note(f"  {rule} not applied: {why}")
     report: dict[str, Any] = {"optimize": optimized}
     if variant.quantize or variant.precision != "fp32":
         calibration = data.calibration[variant.name]
@@ -187,8 +201,9 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
-               "fusions": optimized["rules"], "gates": gates, "accuracy": metrics,
-               "report": f"variants/{variant.name}/report.json", "comparison": f"reports/{variant.name}.html"}
+               "fusions": optimized["rules"], "fusions_not_applied": optimized["unmatched"], "gates": gates,
+               "accuracy": metrics, "report": f"variants/{variant.name}/report.json",
+               "comparison": f"reports/{variant.name}.html"}
     if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
         with log.spinner("measuring memory in a fresh process"):
             summary["memory"] = measure_in_subprocess(folder / graph.files[0], graph.interface,

@@ -37,7 +37,9 @@ class ModelSpec(_Strict):
 
 class ExportSpec(_Strict):
     opset: int = Field(18, ge=17, le=21)
-    max_context: int = Field(2048, ge=1)
+    # Prompt + generated tokens a sequence may hold. Default: the model's own limit
+    # (max_position_embeddings, or the GGUF's context_length), at most DEFAULT_MAX_CONTEXT.
+    max_context: int | None = Field(None, ge=1)
     # `last` computes the LM head for the final position only: prefill then costs one vocab
     # projection per row instead of one per prompt token.
     logits: Literal["last", "all"] = "last"
@@ -186,7 +188,7 @@ class Recipe(_Strict):
         if duplicates:
             raise ValueError(f"variants: names must be unique, repeated: {', '.join(duplicates)}")
         for v in self.variants:
-            if v.profiles is not None:
+            if v.profiles is not None and self.export.max_context is not None:  # else once it is resolved
                 problem = profile_problem(v.profiles, self.export.max_context)
                 if problem:
                     raise ValueError(f"variants.{v.name}.profiles.{problem}")
@@ -248,6 +250,20 @@ def _data_files(recipe: Recipe) -> list[tuple[str, str | None, int]]:
         if v.quantize is not None and v.quantize.mode == "int8-static":
             found.append((f"variants.{i}.quantize.calibration", v.quantize.calibration, MIN_CALIBRATION_PROMPTS))
     return found
+
+
+DEFAULT_MAX_CONTEXT = 2048
+
+
+def with_max_context(recipe: Recipe, max_context: int, where: str) -> Recipe:
+    """The recipe with export.max_context filled in, validated again (profiles against it)."""
+    data = recipe.model_dump(by_alias=True)
+    data["export"]["max_context"] = max_context
+    try:
+        return Recipe.model_validate(data)
+    except ValidationError as exc:
+        raise RecipeError(f"recipe {where}: {describe_validation_error(exc)} (export.max_context defaulted to "
+                          f"{max_context}, the model's limit)") from None
 
 
 def read_prompts(file: Path, where: str = "") -> list[str]:

@@ -11,6 +11,7 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 VOCAB = 320
+EOS = 0
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
     "A KV cache keeps the keys and values of earlier tokens.",
@@ -22,6 +23,8 @@ CORPUS = [
 # Each family in compiler.families.FAMILIES needs a tiny config here (test_families checks).
 # Shapes are small but keep each family's quirks: GQA for Llama/Mistral/Qwen2, a short sliding
 # window for Mistral (so validation crosses it), QKV bias for Qwen2, learned positions for GPT-2.
+_BASE = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=256)
 TINY_CONFIGS = {
     "llama": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
@@ -31,9 +34,28 @@ TINY_CONFIGS = {
     "qwen2": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    "qwen3": ("Qwen3Config", dict(_BASE, num_key_value_heads=2, head_dim=16)),
+    "phi3": ("Phi3Config", dict(_BASE, num_key_value_heads=2, pad_token_id=EOS)),
+    "phi": ("PhiConfig", dict(_BASE, partial_rotary_factor=0.5)),
+    "gemma": ("GemmaConfig", dict(_BASE, num_key_value_heads=1, head_dim=16)),
+    # Caps small enough that tanh bends these small random scores and logits: the cap matters.
+    "gemma2": ("Gemma2Config", dict(_BASE, num_key_value_heads=2, head_dim=16, sliding_window=8,
+                                    attn_logit_softcapping=0.05, final_logit_softcapping=0.5,
+                                    query_pre_attn_scalar=16)),
+    "gpt_neox": ("GPTNeoXConfig", dict(_BASE, rotary_pct=0.25)),
+    "falcon": ("FalconConfig", dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_kv_heads=2,
+                                    new_decoder_architecture=True, max_position_embeddings=256)),
+    "olmo": ("OlmoConfig", dict(_BASE, num_key_value_heads=2)),
+    "olmo2": ("Olmo2Config", dict(_BASE, num_key_value_heads=2)),
+    "stablelm": ("StableLmConfig", dict(_BASE, num_key_value_heads=2, partial_rotary_factor=0.25)),
+    "granite": ("GraniteConfig", dict(_BASE, num_key_value_heads=2, embedding_multiplier=3.0,
+                                      residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
+    "starcoder2": ("Starcoder2Config", dict(_BASE, num_key_value_heads=2, sliding_window=8)),
 }
-EOS = 0
-
+# Families in the table that are refused, with a tiny config that shows the refusal.
+REFUSED_CONFIGS = {
+    "mixtral": ("MixtralConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -59,7 +81,7 @@ def build_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    class_name, kwargs = TINY_CONFIGS[family]
+    class_name, kwargs = {**TINY_CONFIGS, **REFUSED_CONFIGS}[family]
     config = getattr(transformers, class_name)(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

@@ -1,7 +1,9 @@
-"""Fusion rules, one per file, each `apply(model: onnx_ir.Model, shapes) -> number of fusions`.
+"""Fusion rules, one per file, each `apply(model: onnx_ir.Model, shapes) -> number of fusions`, or
+`(0, why)` when it can say why it found nothing.
 
 The optimize stage (compiler/optimize.py) runs the rules its target lists, in order, and reports
-`{rule: count}`. A rule that finds nothing it knows returns 0 and leaves the graph unchanged.
+`{rule: count}` and, for each rule that matched nothing, why (the rule's own reason, else the
+pattern it looks for). A rule that finds nothing it knows leaves the graph unchanged.
 """
 
 from __future__ import annotations
@@ -16,15 +18,22 @@ from . import group_query_attention, rms_normalization, rotary_embedding
 @dataclass(frozen=True)
 class Rule:
     name: str
-    apply: Callable[[Any, Any], int]
+    apply: Callable[[Any, Any], int | tuple[int, str]]
+    looks_for: str  # the pattern, said when the rule matched nothing and gave no reason of its own
+
+    def run(self, model: Any, shapes: Any) -> tuple[int, str | None]:
+        result = self.apply(model, shapes)
+        count, why = result if isinstance(result, tuple) else (result, None)
+        return count, (why or f"no {self.looks_for} in the graph") if count == 0 else None
 
 
 # Rotary before attention, so that attention can rotate the [b, s, heads * d] projections directly
 # and drop the Reshape/Transpose pairs around each rotation; attention before the norms, because it
 # needs the export's own node structure.
 ONNXRUNTIME_RULES = (
-    Rule(rotary_embedding.NAME, rotary_embedding.apply),
-    Rule(group_query_attention.NAME, group_query_attention.apply),
-    Rule(rms_normalization.NAME, rms_normalization.apply),
-    Rule(rms_normalization.SKIP_NAME, rms_normalization.apply_skip),
+    Rule(rotary_embedding.NAME, rotary_embedding.apply, "rotary embedding (x * cos + rotate_half(x) * sin)"),
+    Rule(group_query_attention.NAME, group_query_attention.apply, "attention over a Concat KV cache"),
+    Rule(rms_normalization.NAME, rms_normalization.apply,
+         "RMSNorm (x * rsqrt(mean(x^2) + eps) * weight; LayerNorm families have none)"),
+    Rule(rms_normalization.SKIP_NAME, rms_normalization.apply_skip, "residual Add followed by an RMSNorm"),
 )

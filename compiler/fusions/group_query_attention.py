@@ -37,15 +37,20 @@ NAME = "group_query_attention"
 MASKED_SCORE = -10000.0
 
 
-def apply(model: Any, shapes: Any) -> int:
-    """Rewrite `model` (an onnx_ir Model) in place; returns the number of layers fused."""
+def apply(model: Any, shapes: Any) -> int | tuple[int, str]:
+    """Rewrite `model` (an onnx_ir Model) in place; returns the number of layers fused, or 0 and why
+    not (the graph is then unchanged: every layer is fused, or none)."""
     from onnx_ir.passes.common import RemoveUnusedNodesPass, TopologicalSortPass
 
     graph = model.graph
     outputs = {v.name: i for i, v in enumerate(graph.outputs)}
     found = [_layer_anchors(graph, outputs, i) for i in range(shapes.layers)]
-    if not all(found):
-        return 0  # not the graph this rule knows; the fusion report shows 0 and the graph is unchanged
+    missing = next((i for i, anchors in enumerate(found) if anchors is None), None)
+    if missing is not None:
+        return 0, f"layer {missing}: no Concat(past, new) -> attention core -> merged heads around present.{missing}"
+    problem = next(((i, a) for i, a in enumerate(found) if isinstance(a, str)), None)
+    if problem is not None:
+        return 0, f"layer {problem[0]}: {problem[1]}"
     shared = _mask_inputs(graph)
     for layer, anchors in enumerate(found):
         _fuse_layer(graph, outputs, layer, anchors, shared, shapes)
@@ -55,7 +60,7 @@ def apply(model: Any, shapes: Any) -> int:
     return len(found)
 
 
-def _layer_anchors(graph: Any, outputs: dict[str, int], layer: int) -> dict[str, Any] | None:
+def _layer_anchors(graph: Any, outputs: dict[str, int], layer: int) -> dict[str, Any] | str | None:
     present_key = graph.outputs[outputs[f"present.{layer}.key"]]
     present_value = graph.outputs[outputs[f"present.{layer}.value"]]
     key_concat, value_concat = present_key.producer(), present_value.producer()
@@ -71,8 +76,70 @@ def _layer_anchors(graph: Any, outputs: dict[str, int], layer: int) -> dict[str,
     attention_out = _merged_heads(weighted)
     if attention_out is None:
         return None
+    chain = _score_chain(scores)
+    if isinstance(chain, str):
+        return chain
     return {"query": query, "key": key_concat.inputs[1], "value": value_concat.inputs[1],
-            "past_key": key_concat.inputs[0], "past_value": value_concat.inputs[0], "out": attention_out}
+            "past_key": key_concat.inputs[0], "past_value": value_concat.inputs[0], "out": attention_out, **chain}
+
+
+def _score_chain(scores: Any) -> dict[str, float] | str:
+    """What the graph does between Q @ K^T and Softmax, as GroupQueryAttention's scale and softcap:
+
+        scores ──Mul/Div by constants (product p)──[Tanh──Mul(cap)]──(Reshape)──Add(mask)──(Reshape)──Softmax
+
+    Without Tanh, scale = p (the model's own: Granite's attention_multiplier, Gemma 2's
+    query_pre_attn_scalar); with it (Gemma 2's soft-cap), tanh(p * QK) * cap = tanh(scale * QK / cap) * cap,
+    so scale = p * cap. Anything else there is not what the op computes: why, as a string."""
+    before, after, tanh, masked, node = 1.0, [], False, False, scores
+    while True:
+        consumers = list(node.outputs[0].consumers())
+        if len(consumers) != 1:
+            return f"the attention scores feed {len(consumers)} nodes, not one chain to Softmax"
+        node = consumers[0]
+        if node.op_type == "Softmax":
+            break
+        constant = _scalar(node.inputs[1]) if len(node.inputs) == 2 else None
+        if masked and node.op_type != "Reshape":  # the op scales and caps the scores, then adds the mask
+            return f"{node.op_type} after the mask is added to the attention scores, which GroupQueryAttention " \
+                   "cannot do"
+        if node.op_type == "Add":
+            masked = True
+        elif node.op_type in ("Mul", "Div") and constant is not None:
+            factor = constant if node.op_type == "Mul" else 1.0 / constant
+            if tanh:
+                after.append(factor)
+            else:
+                before *= factor
+        elif node.op_type == "Tanh" and not tanh:
+            tanh = True
+        elif node.op_type != "Reshape":
+            return f"{node.op_type} between the attention scores and Softmax, which GroupQueryAttention cannot do"
+    if not tanh:
+        return {"scale": before, "softcap": 0.0}
+    if len(after) > 1:
+        return "a Tanh in the attention scores that is not a soft-cap (tanh(x / cap) * cap)"
+    cap = after[0] if after else 1.0  # a cap of 1: the export folded away the divide and multiply by 1
+    return {"scale": before * cap, "softcap": cap}
+
+
+def _scalar(value: Any) -> float | None:
+    """A one-element constant's value (an initializer or a Constant node), else None."""
+    tensor = value.const_value
+    producer = value.producer()
+    if tensor is None and producer is not None and producer.op_type == "Constant":
+        tensor = producer.attributes["value"].value
+    if tensor is None:
+        return None
+    array = tensor.numpy()
+    return float(array.reshape(-1)[0]) if array.size == 1 else None
+
+
+def _window(shapes: Any, layer: int) -> int:
+    """GroupQueryAttention's local_window_size for the layer: -1 attends to every slot."""
+    windows = shapes.layer_windows
+    window = windows[layer] if layer < len(windows) else shapes.sliding_window
+    return window or -1
 
 
 def _only_consumer(node: Any, op_type: str) -> Any:
@@ -193,8 +260,8 @@ def _fuse_layer(graph: Any, outputs: dict[str, int], layer: int, anchors: dict[s
          heads_last(anchors["value"], shapes.kv_heads),
          anchors["past_key"], anchors["past_value"], shared["seqlens_k"], shared["total_length"],
          None, None, None, shared["bias"]],
-        {"num_heads": shapes.heads, "kv_num_heads": shapes.kv_heads, "scale": float(shapes.head_dim) ** -0.5,
-         "local_window_size": shapes.sliding_window or -1},
+        {"num_heads": shapes.heads, "kv_num_heads": shapes.kv_heads, "scale": anchors["scale"],
+         "softcap": anchors["softcap"], "local_window_size": _window(shapes, layer)},
         num_outputs=3, domain="com.microsoft", name=f"layers.{layer}.GroupQueryAttention",
     )
     _carry_types(tape.nodes)

@@ -159,6 +159,13 @@ def test_context_beyond_the_model_is_refused(tiny_checkpoints, tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+def test_max_context_defaults_to_the_models_own_limit(tiny_checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["gpt2"])  # a 256-position table
+    recipe.write_text(recipe.read_text().replace("max_context: 128, ", ""))
+    manifest = json.loads((compile_recipe(recipe, tmp_path / "out") / "manifest.json").read_text())
+    assert manifest["model"]["max_context"] == 256 and manifest["recipe"]["export"]["max_context"] == 256
+
+
 def test_tampered_artifact_is_refused(tiny_artifacts, tmp_path):
     import shutil
 

@@ -10,13 +10,20 @@ from compiler.errors import CheckpointError, UnsupportedArchitecture
 from compiler.families import FAMILIES, family_for, shapes_of
 from compiler.load import load_checkpoint
 from compiler.recipe import ModelSpec
-from tests.conftest import TINY_CONFIGS
+from tests.conftest import REFUSED_CONFIGS, TINY_CONFIGS, build_tiny_checkpoint
 
 
 def test_every_family_has_a_tiny_model_test():
     # Like Optimum's test_all_models_tested: a family added to the table without a tiny config
-    # (and so without export and generation tests) fails here.
-    assert set(FAMILIES) == set(TINY_CONFIGS)
+    # (and so without export and generation tests) fails here, and so does a tiny config without a row.
+    assert {k for k, f in FAMILIES.items() if f.refused is None} == set(TINY_CONFIGS)
+    assert {k for k, f in FAMILIES.items() if f.refused} == set(REFUSED_CONFIGS)
+
+
+def test_refused_family_says_why_before_loading_weights(tmp_path):
+    folder = build_tiny_checkpoint("mixtral", tmp_path / "mixtral")
+    with pytest.raises(UnsupportedArchitecture, match=r"'mixtral' \(Mixtral\) is refused: its mixture-of-experts"):
+        load_checkpoint(ModelSpec(source=str(folder)))
 
 
 def test_shapes_read_from_each_family(tiny_checkpoints, family):
@@ -24,8 +31,11 @@ def test_shapes_read_from_each_family(tiny_checkpoints, family):
 
     config = AutoConfig.from_pretrained(tiny_checkpoints[family])
     shapes = shapes_of(config)
-    expected_kv = {"llama": 2, "mistral": 1, "qwen2": 2, "gpt2": 4}[family]
+    kwargs = TINY_CONFIGS[family][1]
+    expected_kv = 4 if family == "falcon" else kwargs.get("num_key_value_heads", 4)  # Falcon caches every head
     assert (shapes.layers, shapes.kv_heads, shapes.head_dim) == (2, expected_kv, 16)
+    if family == "gemma2":  # alternating layers: sliding, then full
+        assert shapes.layer_windows == (8, None)
 
 
 def test_unknown_model_type_lists_supported():
@@ -51,6 +61,6 @@ def test_supported_type_but_not_a_causal_lm(tiny_checkpoints, tmp_path):
 
 
 def test_causal_lm_of_a_family_we_do_not_support(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt_neox", "architectures": ["GPTNeoXForCausalLM"]}))
-    with pytest.raises(UnsupportedArchitecture, match="'gpt_neox' is not supported; supported families"):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
+    with pytest.raises(UnsupportedArchitecture, match="'mamba' is not supported; supported families"):
         load_checkpoint(ModelSpec(source=str(tmp_path)))

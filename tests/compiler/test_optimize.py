@@ -18,9 +18,15 @@ from runtime.backend import OnnxRuntimeBackend
 
 # {family: {rule: count}} on the tiny models of tests/conftest.py (2 layers each)
 ROTARY = {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4, "rotary_embedding": 4}
+LAYER_NORM = {**ROTARY, "rms_normalization": 0, "skip_rms_normalization": 0}  # LayerNorm families
+QK_NORM = {**ROTARY, "rms_normalization": 9}  # two more RMSNorms a layer, on q and k
 EXPECTED_FUSIONS = {
-    "llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY,
-    "gpt2": {"group_query_attention": 2, "rms_normalization": 0, "skip_rms_normalization": 0, "rotary_embedding": 0},
+    "llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY, "phi3": ROTARY, "gemma": ROTARY, "granite": ROTARY,
+    "qwen3": QK_NORM, "gemma2": QK_NORM,  # Gemma 2: pre- and post-norms around attention and MLP
+    "olmo2": {**QK_NORM, "skip_rms_normalization": 1},  # post-norms: the residual Add comes after the norm
+    "phi": LAYER_NORM, "gpt_neox": LAYER_NORM, "falcon": LAYER_NORM, "olmo": LAYER_NORM, "stablelm": LAYER_NORM,
+    "starcoder2": LAYER_NORM,
+    "gpt2": {**LAYER_NORM, "rotary_embedding": 0},
 }
 
 
@@ -40,6 +46,10 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
     manifest = json.loads((tiny_artifacts[family] / "manifest.json").read_text())
     fused = manifest["variants"]["cpu-fp32"]
     assert fused["fusions"] == EXPECTED_FUSIONS[family]
+    # A rule that matched nothing says why, in the manifest and the compile log.
+    assert set(fused["fusions_not_applied"]) == {rule for rule, count in fused["fusions"].items() if count == 0}
+    if fused["fusions"]["rms_normalization"] == 0:
+        assert "no RMSNorm" in fused["fusions_not_applied"]["rms_normalization"]
     assert fused["interface"]["kv_sharing"] == "shared-buffer"
     assert fused["node_count"] < manifest["variants"]["cpu-fp32-unfused"]["node_count"]
     graph = onnx.load(str(tiny_artifacts[family] / fused["model"]))

@@ -56,7 +56,7 @@ def test_architecture_doc_example_validates(tmp_path):
 def test_defaults_fill_in(tmp_path):
     (tmp_path / "r.yaml").write_text("name: x\nmodel: {source: a/b}\n")
     recipe, _ = load_recipe(tmp_path / "r.yaml")
-    assert recipe.export.max_context == 2048 and recipe.export.logits == "last"
+    assert recipe.export.max_context is None and recipe.export.logits == "last"  # the model's limit, at compile
     assert [v.name for v in recipe.variants] == ["cpu-fp32"]
 
 
