@@ -12,7 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import group_query_attention, rms_normalization, rotary_embedding
+from . import group_query_attention, layer_normalization, rms_normalization, rotary_embedding
 
 
 @dataclass(frozen=True)
@@ -36,4 +36,8 @@ ONNXRUNTIME_RULES = (
     Rule(rms_normalization.NAME, rms_normalization.apply,
          "RMSNorm (x * rsqrt(mean(x^2) + eps) * weight; LayerNorm families have none)"),
     Rule(rms_normalization.SKIP_NAME, rms_normalization.apply_skip, "residual Add followed by an RMSNorm"),
+    Rule(layer_normalization.SKIP_NAME, layer_normalization.apply_skip,
+         "residual Add followed by a LayerNormalization (RMSNorm families have none)"),
+    Rule(layer_normalization.GELU_NAME, layer_normalization.apply_gelu,
+         "GELU (erf or tanh form; SiLU-gated MLPs have none)"),
 )

@@ -17,16 +17,26 @@ from runtime.artifact import Artifact
 from runtime.backend import OnnxRuntimeBackend
 
 # {family: {rule: count}} on the tiny models of tests/conftest.py (2 layers each)
-ROTARY = {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4, "rotary_embedding": 4}
-LAYER_NORM = {**ROTARY, "rms_normalization": 0, "skip_rms_normalization": 0}  # LayerNorm families
+ROTARY = {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4, "rotary_embedding": 4,
+          "skip_layer_normalization": 0, "gelu": 0}
 QK_NORM = {**ROTARY, "rms_normalization": 9}  # two more RMSNorms a layer, on q and k
+
+
+def layer_norm(skip: int, gelu: int) -> dict[str, int]:
+    """A LayerNorm family: no RMSNorm; residual Add + LayerNorm pairs, and GELUs in the forms matched."""
+    return {**ROTARY, "rms_normalization": 0, "skip_rms_normalization": 0, "skip_layer_normalization": skip,
+            "gelu": gelu}
+
+
 EXPECTED_FUSIONS = {
     "llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY, "phi3": ROTARY, "gemma": ROTARY, "granite": ROTARY,
     "qwen3": QK_NORM, "gemma2": QK_NORM,  # Gemma 2: pre- and post-norms around attention and MLP
     "olmo2": {**QK_NORM, "skip_rms_normalization": 1},  # post-norms: the residual Add comes after the norm
-    "phi": LAYER_NORM, "gpt_neox": LAYER_NORM, "falcon": LAYER_NORM, "olmo": LAYER_NORM, "stablelm": LAYER_NORM,
-    "starcoder2": LAYER_NORM,
-    "gpt2": {**LAYER_NORM, "rotary_embedding": 0},
+    # Parallel attention + MLP share one norm a layer (Phi, GPT-NeoX, Falcon); OLMo's LayerNorm has no
+    # weight, which the rule does not match; gelu_new (Phi, GPT-2) is neither GELU form the rules know.
+    "phi": layer_norm(2, 0), "gpt_neox": layer_norm(2, 2), "falcon": layer_norm(2, 2), "olmo": layer_norm(0, 0),
+    "stablelm": layer_norm(4, 0), "starcoder2": layer_norm(4, 2),
+    "gpt2": {**layer_norm(5, 0), "rotary_embedding": 0},  # the first pair: token + position embeddings, ln_1
 }
 
 
@@ -50,6 +60,8 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
     assert set(fused["fusions_not_applied"]) == {rule for rule, count in fused["fusions"].items() if count == 0}
     if fused["fusions"]["rms_normalization"] == 0:
         assert "no RMSNorm" in fused["fusions_not_applied"]["rms_normalization"]
+    graph_ops = {n.op_type for n in onnx.load(str(tiny_artifacts[family] / fused["model"])).graph.node}
+    assert ("SkipLayerNormalization" in graph_ops) == bool(fused["fusions"]["skip_layer_normalization"])
     assert fused["interface"]["kv_sharing"] == "shared-buffer"
     assert fused["node_count"] < manifest["variants"]["cpu-fp32-unfused"]["node_count"]
     graph = onnx.load(str(tiny_artifacts[family] / fused["model"]))
