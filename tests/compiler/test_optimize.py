@@ -29,8 +29,9 @@ def layer_norm(skip: int, gelu: int) -> dict[str, int]:
 
 
 EXPECTED_FUSIONS = {
-    "llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY, "phi3": ROTARY, "gemma": ROTARY, "granite": ROTARY,
-    "qwen3": QK_NORM, "gemma2": QK_NORM,  # Gemma 2: pre- and post-norms around attention and MLP
+    "llama": ROTARY, "mistral": ROTARY, "qwen2": ROTARY, "phi3": ROTARY, "granite": ROTARY,
+    "gemma": {**ROTARY, "gelu": 2},  # GeGLU: the tanh GELU is FastGelu
+    "qwen3": QK_NORM, "gemma2": {**QK_NORM, "gelu": 2},  # Gemma 2: pre- and post-norms around attention and MLP
     "olmo2": {**QK_NORM, "skip_rms_normalization": 1},  # post-norms: the residual Add comes after the norm
     # Parallel attention + MLP share one norm a layer (Phi, GPT-NeoX, Falcon); OLMo's LayerNorm has no
     # weight, which the rule does not match; gelu_new (Phi, GPT-2) is neither GELU form the rules know.
