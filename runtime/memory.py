@@ -332,7 +332,7 @@ def measure(model_path: Path, interface: dict[str, Any], max_context: int, threa
             "activation_bytes_per_pair": round(max(0.0, float(per_pair)), 3)}
 
 
-MEASUREMENTS = 3  # fresh processes; each number is the largest they saw
+MEASUREMENTS = 5  # fresh processes; each number is the largest they saw (a low-mode load is 1 in 3 or so)
 
 
 def measure_in_subprocess(model_path: Path, interface: dict[str, Any], max_context: int,
