@@ -240,7 +240,7 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
 
     from .artifact import Artifact
     from .files import read_utf8
-    from .memory import config_interface
+    from .memory import config_interface, variant_file_bytes
 
     if config_file is not None:
         try:
@@ -255,8 +255,7 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
                 None)
     opened = Artifact.open(artifact, verify=False)  # the plan reads the manifest only
     entry = opened.variant(variant)
-    files = [f for f in entry.get("files", []) if f]
-    weights = sum(opened.manifest["files"][f]["size"] for f in files if f in opened.manifest["files"])
+    weights = variant_file_bytes(opened.manifest, entry)
     kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
                                          (entry.get("quantize") or {}).get("mode")) if k)
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"

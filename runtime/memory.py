@@ -133,10 +133,14 @@ def _largest(fits: Any, high: int) -> int:
 def variant_plan(manifest: dict[str, Any], entry: dict[str, Any], batch: int, context: int | None = None,
                  prefill_tokens: int = 512) -> Plan:
     """plan() for a variant of an artifact: its measured memory, or its files' size where it has none."""
-    files = [f for f in entry.get("files", [entry.get("model")]) if f]
-    weights = sum(manifest["files"].get(f, {}).get("size", 0) for f in files)
     return plan(entry["interface"], entry.get("memory"), batch, context or manifest["model"]["max_context"],
-                prefill_tokens, weights)
+                prefill_tokens, variant_file_bytes(manifest, entry))
+
+
+def variant_file_bytes(manifest: dict[str, Any], entry: dict[str, Any]) -> int:
+    """The size of a variant's files (graph and external data): its weights, where none were measured."""
+    files = [f for f in entry.get("files", [entry.get("model")]) if f]
+    return sum(manifest["files"].get(f, {}).get("size", 0) for f in files)
 
 
 def require_fit(manifest: dict[str, Any], entry: dict[str, Any], max_batch_size: int,
