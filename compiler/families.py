@@ -34,6 +34,9 @@ class Family:
     refused: str | None = None
     # Where the config's attributes do not say how many KV heads the cache holds: a function of the config.
     cache_heads: Callable[[Any], int] | None = None
+    # The config.json keys transformers 4.x reads the rotary base and rotary fraction from (5.x keeps
+    # both inside `rope_parameters`): written beside it so 4.x tools (Optimum) read the same model.
+    legacy_rope_keys: tuple[str, str] = ("rope_theta", "partial_rotary_factor")
 
 
 def falcon_cache_heads(config: Any) -> int:
@@ -58,7 +61,8 @@ FAMILIES: dict[str, Family] = {
     "gemma": Family("Gemma", notes="RMSNorm with 1 + weight, scaled embeddings, GeGLU"),
     "gemma2": Family("Gemma 2", notes="soft-capped attention and logits, alternating sliding-window layers, "
                                       "pre/post norms"),
-    "gpt_neox": Family("GPT-NeoX", notes="Pythia: partial rotary, parallel residual, fused qkv"),
+    "gpt_neox": Family("GPT-NeoX", notes="Pythia: partial rotary, parallel residual, fused qkv",
+                       legacy_rope_keys=("rotary_emb_base", "rotary_pct")),
     "falcon": Family("Falcon", cache_heads=falcon_cache_heads, attention="eager",
                      notes="new decoder architecture, multi-query; its attention does not go through "
                            "AttentionInterface, so the export traces transformers' eager attention"),

@@ -16,6 +16,7 @@ from typing import Any
 
 from runtime import __version__ as kiln_version
 from runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
+from runtime.interop import portable_tokenizer_config, sidecar_files
 
 from .load import Checkpoint
 from .progress import StageLog
@@ -72,6 +73,39 @@ def write_tokenizer(checkpoint: Checkpoint, folder: Path) -> None:
     checkpoint.model.generation_config.save_pretrained(folder)
     if not (folder / "tokenizer.json").is_file():
         raise RuntimeError("the tokenizer was saved without tokenizer.json, which the runtime needs")
+    config_path = folder / "tokenizer_config.json"
+    config_path.write_text(json.dumps(portable_tokenizer_config(json.loads(config_path.read_text())), indent=2) + "\n")
+
+
+def write_sidecars(folder: Path, sections: dict[str, Any]) -> None:
+    """config.json, genai_config.json and the tokenizer beside each onnxruntime variant's graph, so that
+    Optimum and onnxruntime-genai open the variant's folder as it is (runtime/interop.py)."""
+    for name, entry in sections["variants"].items():
+        if entry["target"] != "onnxruntime":
+            continue
+        files = sidecar_files(sections, name, folder / "tokenizer")
+        for file, data in files.items():
+            (folder / "variants" / name / file).write_bytes(data)
+        entry["sidecars"] = sorted(f"variants/{name}/{file}" for file in files)
+
+
+def portable_config(checkpoint: Checkpoint) -> dict[str, Any]:
+    """The model's config.json as transformers 4.x and 5.x both read it. 5.x keeps the rotary base and
+    fraction inside `rope_parameters`; 4.x reads them at the top level (under the family's own names)
+    and the scaling from `rope_scaling`. Each version ignores the other's keys, and 5.x reads a config
+    that has both the same way."""
+    config = json.loads(checkpoint.config.to_json_string(use_diff=False))
+    config.pop("_name_or_path", None)
+    config["architectures"] = [type(checkpoint.model).__name__]
+    config["torch_dtype"] = config.get("dtype") or "float32"
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:  # one set of parameters for all layers (not one per layer type)
+        theta_key, fraction_key = checkpoint.family.legacy_rope_keys
+        config[theta_key] = rope.pop("rope_theta")
+        if "partial_rotary_factor" in rope:
+            config[fraction_key] = rope.pop("partial_rotary_factor")
+        config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
+    return config
 
 
 def model_facts(checkpoint: Checkpoint, max_context: int) -> dict[str, Any]:
@@ -85,9 +119,13 @@ def model_facts(checkpoint: Checkpoint, max_context: int) -> dict[str, Any]:
         "architecture": type(checkpoint.model).__name__,
         "parameters": sum(p.numel() for p in checkpoint.model.parameters()),
         "max_context": max_context,
+        "hidden_size": config.hidden_size,
+        "attention_heads": config.num_attention_heads,
         "bos_token_id": generation.bos_token_id if generation.bos_token_id is not None else config.bos_token_id,
         "eos_token_ids": eos_ids,
         "pad_token_id": generation.pad_token_id,
+        # What config.json in each variant folder is written from (runtime/interop.py).
+        "config": portable_config(checkpoint),
     }
 
 

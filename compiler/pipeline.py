@@ -26,7 +26,15 @@ from .errors import GateFailure, OutputError, RecipeError
 from .export import OnnxArtifact, export
 from .load import Checkpoint, load_checkpoint, preflight
 from .optimize import optimize
-from .package import model_facts, remove_stale_staging, staging_folder, write_json, write_manifest, write_tokenizer
+from .package import (
+    model_facts,
+    remove_stale_staging,
+    staging_folder,
+    write_json,
+    write_manifest,
+    write_sidecars,
+    write_tokenizer,
+)
 from .progress import StageLog
 from .quantize import check_finite, quantize
 from .recipe import (
@@ -102,6 +110,7 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             write_tokenizer(checkpoint, staging / "tokenizer")
             write_json(staging / "reports" / "export-validation.json", validation)
             sections = _manifest_sections(recipe, checkpoint, exported, validation, built, log, started)
+            write_sidecars(staging, sections)
             write_manifest(staging, sections, log)
     return final
 

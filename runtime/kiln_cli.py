@@ -7,6 +7,8 @@
     kiln batch ARTIFACT INPUT.jsonl OUTPUT.jsonl ...  bulk inference, resumable; --ray for a cluster
     kiln plan ARTIFACT [--variant V] [--memory 16GiB | --device cuda:0] [--context N] [--batch N]
     kiln plan --config config.json [--dtype fp16] ...   will it fit, and how many at once?
+    kiln inspect ARTIFACT[:VARIANT] [--polygraphy-shapes batch=1,seq=8,past=0] [--trtexec-shapes ...] [--json]
+    kiln export-for optimum|genai ARTIFACT[:VARIANT] DIR   a folder the tool opens as it is
     kiln pack ARTIFACT -o NAME.kiln [--sign-key KEY]
     kiln verify NAME.kiln|DIR [--public-key KEY] [--require-signature] [--variant V]
     kiln install NAME.kiln --into DIR [--public-key KEY] [--require-signature] [--variant V]
@@ -261,6 +263,112 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
     return (title, entry["interface"], entry.get("memory"), weights, opened.manifest["model"]["max_context"],
             entry.get("target"))
+
+
+def _artifact_variant(spec: str) -> tuple[Path, str | None]:
+    """ARTIFACT[:VARIANT]; a folder that exists under the whole name is that folder (colons and all)."""
+    path = Path(spec)
+    if path.exists() or ":" not in spec:
+        return path, None
+    folder, _, variant = spec.rpartition(":")
+    return Path(folder), variant or None
+
+
+@kiln.command()
+@click.argument("spec", metavar="ARTIFACT[:VARIANT]")
+@click.option("--polygraphy-shapes", "polygraphy_sizes", metavar="SIZES",
+              help="Print polygraphy run's --input-shapes for SIZES, e.g. batch=1,seq=8,past=0 (capacity=N for "
+                   "a shared-buffer graph's KV buffers: past + seq unless given).")
+@click.option("--trtexec-shapes", "trtexec_sizes", metavar="SIZES", help="Print trtexec's --shapes for SIZES.")
+@click.option("--json", "as_json", is_flag=True, help="Print the variant's manifest entry as JSON.")
+def inspect(spec: str, polygraphy_sizes: str | None, trtexec_sizes: str | None, as_json: bool) -> None:
+    """What a variant is: its graph, interface, fusions, accuracy, and the tools that open its folder;
+    or the input shapes NVIDIA's tools need, for one copy-paste."""
+    import json
+
+    from . import interop
+    from .artifact import Artifact
+
+    folder, name = _artifact_variant(spec)
+    try:
+        artifact = Artifact.open(folder, verify=False)  # the manifest only
+        entry = artifact.variant(name)
+        lines = []
+        for sizes, render in ((polygraphy_sizes, interop.polygraphy_argument),
+                              (trtexec_sizes, interop.trtexec_argument)):
+            if sizes is not None:
+                lines.append(render(interop.input_shapes(entry["interface"], interop.parse_sizes(sizes))))
+    except (KilnError, ValueError) as exc:
+        click.echo(f"kiln inspect: error: {exc}", err=True)
+        sys.exit(2)
+    if lines:
+        click.echo("\n".join(lines))
+    elif as_json:
+        click.echo(json.dumps(entry, indent=2))
+    else:
+        click.echo(_describe_variant(artifact, entry))
+
+
+def _describe_variant(artifact, entry: dict) -> str:
+    from .backend import expand
+
+    interface, name = entry["interface"], entry["name"]
+    quantize = (entry.get("quantize") or {}).get("mode")
+    kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"), quantize,
+                                         "fused" if entry.get("fuse") else "unfused") if k)
+    graph = artifact.folder / entry["model"]
+    accuracy = entry.get("accuracy") or {}
+    lines = [f"{artifact.manifest['name']}:{name} ({kind}), {entry['status']}",
+             f"  graph      {graph} ({entry.get('node_count', '?')} nodes)"]
+    if accuracy:
+        lines.append(f"  accuracy   top-1 {accuracy['top1_agreement']:.3f}, perplexity "
+                     f"{accuracy['perplexity_change']:+.2%}, greedy match {accuracy['greedy_match']:.2f} vs eager")
+    fused = ", ".join(f"{k} {v}" for k, v in (entry.get("fusions") or {}).items() if v) or "none"
+    lines.append(f"  fusions    {fused}")
+    lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"
+                 f", {interface.get('kv_sharing', 'none')}")
+    for label, key in (("inputs", "inputs"), ("outputs", "outputs")):
+        for i, io in enumerate(interface[key]):
+            shown = io["name"].replace("{layer}", f"0..{interface['layers'] - 1}") if "{layer}" in io["name"] \
+                else io["name"]
+            lines.append(f"  {label if i == 0 else '':<10} {shown} {io['dtype']} [{', '.join(map(str, io['shape']))}]")
+    count = len(expand(interface["inputs"], interface["layers"]))
+    lines.append(f"  ({count} graph inputs; --polygraphy-shapes batch=1,seq=8,past=0 spells out their shapes)")
+    sidecars = entry.get("sidecars") or []
+    if sidecars:
+        from .interop import optimum_problem
+
+        problem = optimum_problem(artifact.manifest, name)
+        tools = "onnxruntime-genai (og.Model)" if problem else \
+            "Optimum (ORTModelForCausalLM.from_pretrained) and onnxruntime-genai (og.Model)"
+        lines.append(f"  opens in   {tools} from {graph.parent}")
+        if problem:
+            lines.append(f"  not in     {problem}")
+    elif entry.get("target") == "onnxruntime":
+        lines.append("  opens in   kiln export-for optimum|genai writes a folder the tool opens")
+    return "\n".join(lines)
+
+
+@kiln.command("export-for")
+@click.argument("tool", type=click.Choice(["optimum", "genai"]))
+@click.argument("spec", metavar="ARTIFACT[:VARIANT]")
+@click.argument("out", metavar="DIR", type=click.Path(path_type=Path))
+@click.option("--copy", is_flag=True, help="Copy the graph files [default: hard links where the file system allows].")
+def export_for(tool: str, spec: str, out: Path, copy: bool) -> None:
+    """Write DIR, a new folder TOOL opens as it is: the variant's graph and the files TOOL reads
+    (config.json or genai_config.json, the tokenizer), written from the manifest. For artifacts whose
+    variant folders lack them; newer artifacts' variant folders open directly."""
+    from .artifact import Artifact
+    from .interop import export_folder
+
+    folder, name = _artifact_variant(spec)
+    try:
+        artifact = Artifact.open(folder)  # verified: what is handed on is what was compiled
+        variant = artifact.variant(name)["name"]
+        written = export_folder(artifact, variant, tool, out, link=not copy)
+    except Exception as exc:
+        _fail("export-for", exc)
+    click.echo(f"{out}: {', '.join(written)}")
 
 
 @kiln.command()
