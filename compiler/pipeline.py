@@ -35,7 +35,7 @@ from .package import (
     write_sidecars,
     write_tokenizer,
 )
-from .progress import StageLog
+from .progress import StageLog, release_freed_memory
 from .quantize import check_finite, quantize
 from .recipe import (
     DEFAULT_CALIBRATION,
@@ -92,6 +92,13 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             eager = eager_side(checkpoint, f"eager:{recipe.model.source}", device="cpu")
             data = _validation_data(recipe, base, eager)
             reference = reference_run(eager.backend, data.inputs)
+            model = model_facts(checkpoint, recipe.export.max_context)
+            source = _source_section(checkpoint)
+            write_tokenizer(checkpoint, staging / "tokenizer")
+        # The A/B needs eager's reference run, not eager's weights: they go before the variants load theirs.
+        eager = dataclasses.replace(eager, backend=None)
+        del checkpoint
+        release_freed_memory()
         built = {}
         for variant in variants:
             with log.stage(f"variant {variant.name}", _describe(variant)):
@@ -107,9 +114,8 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             raise GateFailure(f"accuracy gates missed: {lines} (compile with --keep-failed to keep and inspect them)")
         with log.stage("package"):
             shutil.rmtree(staging / ".work")
-            write_tokenizer(checkpoint, staging / "tokenizer")
             write_json(staging / "reports" / "export-validation.json", validation)
-            sections = _manifest_sections(recipe, checkpoint, exported, validation, built, log, started)
+            sections = _manifest_sections(recipe, source, model, exported, validation, built, log, started)
             write_sidecars(staging, sections)
             write_manifest(staging, sections, log)
     return final
@@ -255,21 +261,25 @@ def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe,
     return {**built, "status": "built"}
 
 
-def _manifest_sections(recipe: Recipe, checkpoint: Checkpoint, exported: OnnxArtifact, validation: dict,
-                       built: dict, log: StageLog, started: float) -> dict[str, Any]:
+def _source_section(checkpoint: Checkpoint) -> dict[str, Any]:
     source = checkpoint.source
+    return {"spec": source.spec, "kind": source.kind, "path": str(source.path), "sha256": checkpoint.source_sha256}
+
+
+def _manifest_sections(recipe: Recipe, source: dict[str, Any], model: dict[str, Any], exported: OnnxArtifact,
+                       validation: dict, built: dict, log: StageLog, started: float) -> dict[str, Any]:
     return {
         "name": recipe.name,
-        "source": {"spec": source.spec, "kind": source.kind, "path": str(source.path),
-                   "sha256": checkpoint.source_sha256},
+        "source": source,
         "recipe": recipe.model_dump(mode="json", by_alias=True),
-        "model": model_facts(checkpoint, recipe.export.max_context),
+        "model": model,
         "interface": exported.interface,
         "export": {"node_count": exported.node_count, "opset": recipe.export.opset,
                    "validation": {k: v for k, v in validation.items() if k != "cases"}},
         "variants": built,
         "compile": {
             "stage_seconds": dict(log.seconds),
+            "stage_peak_rss_mib": {name: round(peak / 2**20) for name, peak in log.peak_rss.items()},
             "seconds": round(time.perf_counter() - started, 2),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         },

@@ -1,8 +1,14 @@
-"""Visible progress: each stage with its elapsed time, a bar for the long loops. Writes to stderr."""
+"""Visible progress: each stage with its elapsed time and peak memory, a bar for the long loops.
+Writes to stderr."""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import ctypes.util
+import gc
+import resource
+import threading
 import time
 from collections.abc import Iterator
 
@@ -15,19 +21,25 @@ class StageLog:
     def __init__(self, console: Console | None = None) -> None:
         self.console = console or Console(stderr=True, highlight=False, emoji=False)
         self.seconds: dict[str, float] = {}
+        self.peak_rss: dict[str, int] = {}  # bytes, the highest resident set seen during each stage
 
     @contextlib.contextmanager
     def stage(self, name: str, detail: str = "") -> Iterator[None]:
         # Details are user text (paths, sources): never rich markup or :emoji: codes.
         self.console.print(f"[bold]→ {escape(name)}[/bold] {escape(detail)}".rstrip())
         start = time.perf_counter()
+        sampler = PeakRss()
         try:
-            yield
+            with sampler:
+                yield
         except BaseException:
             self.console.print(f"[red]✗ {name}[/red] failed after {time.perf_counter() - start:.1f} s")
             raise
         self.seconds[name] = round(time.perf_counter() - start, 2)
-        self.console.print(f"[green]✓ {name}[/green] {self.seconds[name]:.1f} s")
+        self.peak_rss[name] = sampler.peak
+        release_freed_memory()
+        self.console.print(f"[green]✓ {name}[/green] {self.seconds[name]:.1f} s, peak memory "
+                           f"{sampler.peak / 2**30:.2f} GiB")
 
     @contextlib.contextmanager
     def bar(self, description: str, total: float) -> Iterator[callable]:
@@ -44,3 +56,60 @@ class StageLog:
 
     def note(self, text: str) -> None:
         self.console.print(f"  {escape(text)}")
+
+
+class PeakRss:
+    """The highest resident set size of this process while the block runs: sampled every few ms by a
+    thread (ru_maxrss only ever gives the whole process's peak so far), and ru_maxrss itself where the
+    block sets a new all-time peak between two samples."""
+
+    INTERVAL = 0.005
+
+    def __init__(self) -> None:
+        self.peak = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True, name="peak-rss")
+
+    def __enter__(self) -> PeakRss:
+        self._max_before = _max_rss()
+        self.peak = current_rss()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, current_rss())
+        if _max_rss() > self._max_before:  # a new all-time peak was set inside the block
+            self.peak = max(self.peak, _max_rss())
+
+    def _sample(self) -> None:
+        while not self._stop.wait(self.INTERVAL):
+            self.peak = max(self.peak, current_rss())
+
+
+def current_rss() -> int:
+    """Resident bytes now (Linux /proc; 0 where there is none)."""
+    try:
+        with open("/proc/self/statm") as handle:
+            return int(handle.read().split()[1]) * resource.getpagesize()
+    except OSError:
+        return 0
+
+
+def _max_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def release_freed_memory() -> None:
+    """Hand what a stage freed back to the system before the next stage allocates its own: Python's
+    cycles first, then glibc's free lists, which otherwise keep a freed graph's hundreds of MB resident
+    (malloc_trim; a no-op where the C library has none)."""
+    gc.collect()
+    name = ctypes.util.find_library("c")
+    try:
+        trim = ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        trim = None
+    if trim is not None:
+        trim(0)

@@ -208,3 +208,41 @@ def test_validation_reference_is_transformers_own_attention(tiny_checkpoints, tm
     with pytest.raises(ExportMismatch):
         compile_recipe(recipe, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_sharded_bf16_checkpoint_compiles_and_records_stage_memory(tmp_path):
+    """Checkpoints as users have them: bf16 weights in shards with an index (as the hub ships 1B+ models)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from runtime.generator import Generator
+    from runtime.sampling import SamplingParams
+    from tests.conftest import build_tiny_checkpoint
+
+    source = build_tiny_checkpoint("llama", tmp_path / "fp32")
+    sharded = tmp_path / "sharded"
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    model.save_pretrained(sharded, max_shard_size="40KB")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (source / name).is_file():
+            (sharded / name).write_bytes((source / name).read_bytes())
+    shards = sorted(p.name for p in sharded.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 2 and (sharded / "model.safetensors.index.json").is_file()
+    assert json.loads((sharded / "config.json").read_text())["dtype"] == "bfloat16"
+
+    artifact = compile_recipe(write_recipe(tmp_path / "r.yaml", sharded, name="sharded"), tmp_path / "art")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["export"]["validation"]["top1_agreement"] == 1.0
+    assert manifest["variants"]["cpu-fp32"]["status"] == "built"
+    peaks = manifest["compile"]["stage_peak_rss_mib"]
+    assert {"load", "export", "validate export", "reference", "variant cpu-fp32"} <= set(peaks)
+    assert all(0 < peak <= manifest["compile"]["peak_rss_mib"] for peak in peaks.values())
+    # The bf16 weights, widened to fp32, are what the graph computes with: greedy equals eager's.
+    eager = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
+    generator = Generator.load(artifact)
+    ids = generator.encode("The quick brown fox")
+    with torch.no_grad():
+        expected = eager.generate(torch.tensor([ids]), max_new_tokens=8, do_sample=False, eos_token_id=0,
+                                  pad_token_id=0)[0, len(ids):].tolist()
+    got = generator.generate([ids], SamplingParams(max_new_tokens=8))[0].token_ids
+    assert got == (expected[: expected.index(0) + 1] if 0 in expected else expected)

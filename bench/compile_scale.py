@@ -1,0 +1,123 @@
+"""Compile time and memory against model size: random-weight Llamas saved as real checkpoints are
+(sharded bf16 safetensors with an index), compiled by `compile-model` in a fresh process each, one fp32
+variant (add --quantized for an int8 and an int4 variant too). Per stage: seconds and the peak
+resident set (the stage log's sampler, recorded in the manifest); overall: /usr/bin/time's maximum
+resident set. Writes bench/results/compile_scale.json and prints a table.
+
+    python bench/compile_scale.py [--sizes 135m,480m] [--quantized]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+# Llama shapes: 135m is SmolLM2-135M's, 480m the issue's, 1.5b Qwen2.5-1.5B's widths in a Llama.
+SIZES = {
+    "135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                 num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "480m": dict(hidden_size=1280, intermediate_size=4480, num_hidden_layers=20, num_attention_heads=20,
+                 num_key_value_heads=4, vocab_size=49152, tie_word_embeddings=True),
+    "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                 num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+}
+FP32 = "  - {name: cpu-fp32, target: onnxruntime}\n"
+QUANTIZED = ("  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic}}\n"
+             "  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4}}\n")
+
+
+def build_checkpoint(name: str, folder: Path) -> int:
+    """A random Llama of these shapes in bf16 shards; returns its parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from tests.conftest import build_tokenizer
+
+    config = LlamaConfig(**SIZES[name], max_position_embeddings=2048, bos_token_id=0, eos_token_id=0,
+                         dtype="bfloat16")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(folder, max_shard_size="500MB")
+    build_tokenizer(folder)
+    return sum(p.numel() for p in model.parameters())
+
+
+def compile_one(name: str, work: Path, quantized: bool) -> dict:
+    checkpoint = work / f"llama-{name}"
+    started = time.perf_counter()
+    parameters = build_checkpoint(name, checkpoint)
+    print(f"{name}: {parameters / 1e6:.0f}M parameters, checkpoint written in {time.perf_counter() - started:.0f} s",
+          flush=True)
+    recipe = work / f"{name}.yaml"
+    recipe.write_text(f"name: scale-{name}\nmodel: {{source: \"{checkpoint}\"}}\n"
+                      "export: {max_context: 512}\nvariants:\n" + FP32 + (QUANTIZED if quantized else ""))
+    out = work / f"artifact-{name}"
+    command = ["/usr/bin/time", "-v", str(Path(sys.executable).with_name("compile-model")), str(recipe),
+               "--out", str(out)]
+    started = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
+    row = {"size": name, "parameters": parameters, "fp32_weight_bytes": parameters * 4, "quantized": quantized,
+           "seconds": round(seconds, 1), "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
+           "exit": run.returncode}
+    if run.returncode:
+        row["error"] = [line for line in run.stderr.splitlines() if line.strip()][-12:]
+        return row
+    manifest = json.loads((out / "manifest.json").read_text())
+    row["stage_seconds"] = manifest["compile"]["stage_seconds"]
+    row["stage_peak_rss_mib"] = manifest["compile"]["stage_peak_rss_mib"]
+    row["peak_over_weights"] = round(row["peak_rss_bytes"] / row["fp32_weight_bytes"], 2)
+    row["export_seconds_per_billion"] = round(row["stage_seconds"]["export"] / (parameters / 1e9), 1)
+    shutil.rmtree(out, ignore_errors=True)
+    shutil.rmtree(checkpoint, ignore_errors=True)
+    return row
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="135m,480m", help=f"Comma-separated, of {', '.join(SIZES)}.")
+    parser.add_argument("--quantized", action="store_true", help="Add an int8 and an int4 variant.")
+    parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "compile_scale.json")
+    args = parser.parse_args()
+    sizes = [s.strip() for s in args.sizes.split(",") if s.strip()]
+    unknown = [s for s in sizes if s not in SIZES]
+    if unknown:
+        print(f"compile_scale: unknown size {unknown[0]!r}; sizes: {', '.join(SIZES)}", file=sys.stderr)
+        return 2
+    work = Path(tempfile.mkdtemp(prefix="kiln-scale-"))
+    try:
+        rows = [compile_one(name, work, args.quantized) for name in sizes]
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    stages = sorted({s for r in rows for s in r.get("stage_peak_rss_mib", {})},
+                    key=lambda s: (not s.startswith(("load", "export", "validate", "reference")), s))
+    print("\n| model | params | fp32 weights | compile | peak RSS | peak / weights | export s per 1B | "
+          + " | ".join(f"{s} peak" for s in stages) + " |")
+    print("| --- " * (7 + len(stages)) + "|")
+    for r in rows:
+        if r["exit"]:
+            print(f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | failed (exit {r['exit']}): {r['error'][-1]} |")
+            continue
+        gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        print(f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | {gib(r['fp32_weight_bytes'])} | {r['seconds']:.0f} s | "
+              f"{gib(r['peak_rss_bytes'])} | {r['peak_over_weights']:.1f}x | {r['export_seconds_per_billion']:.0f} | "
+              + " | ".join(f"{r['stage_peak_rss_mib'].get(s, 0) / 1024:.2f} GiB" for s in stages) + " |")
+    print(f"\n{args.output}")
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
