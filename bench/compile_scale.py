@@ -72,7 +72,9 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
            "seconds": round(seconds, 1), "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
            "exit": run.returncode}
     if run.returncode:
-        row["error"] = [line for line in run.stderr.splitlines() if line.strip()][-12:]
+        own = run.stderr.split("\tCommand being timed")[0]  # what compile-model said, before time's report
+        row["error"] = [line for line in own.splitlines()
+                        if line.strip() and not line.startswith("Command exited")][-12:]
         return row
     manifest = json.loads((out / "manifest.json").read_text())
     row["stage_seconds"] = manifest["compile"]["stage_seconds"]

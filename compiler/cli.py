@@ -1,4 +1,4 @@
-"""compile-model RECIPE [--out DIR] [--variant NAME ...] [--keep-failed] [--strict] [--debug]
+"""compile-model RECIPE [--out DIR] [--variant NAME ...] [--keep-failed] [--strict] [--debug] [--no-memory-check]
 compare-model A B [--prompts FILE] [--text FILE] [--max-new-tokens N] [--gates FILE] [--gate K=V ...] [--report DIR]
 """
 
@@ -29,8 +29,10 @@ COMPARE_BAD_INPUT = (*BAD_INPUT, ArtifactError, IncompatibleArtifact)
 @click.option("--strict", is_flag=True,
               help="Fail (exit 1) when a tensorrt variant cannot be built here instead of recording it as skipped.")
 @click.option("--debug", is_flag=True, help="Show full tracebacks and the exporter's own output.")
+@click.option("--no-memory-check", is_flag=True,
+              help="Compile even where the predicted peak memory is over what this host has free.")
 def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: bool, strict: bool,
-         debug: bool) -> None:
+         debug: bool, no_memory_check: bool) -> None:
     """Compile the model a RECIPE names into a validated artifact folder."""
     from .pipeline import compile_recipe  # heavy imports only once the arguments are known good
 
@@ -39,7 +41,8 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
     logging.basicConfig(level=logging.INFO if debug else logging.ERROR)
     unwind_on_sigterm()  # so the staging folder is removed on the way out
     try:
-        folder = compile_recipe(recipe, out, variants, debug=debug, keep_failed=keep_failed, strict=strict)
+        folder = compile_recipe(recipe, out, variants, debug=debug, keep_failed=keep_failed, strict=strict,
+                                memory_check=not no_memory_check)
     except KilnError as exc:
         if debug:
             raise

@@ -33,3 +33,7 @@ class GateFailure(KilnError):
 
 class CompareInputError(KilnError):
     """Two models cannot be compared as given (tokenizers differ, no prompts, an unknown gate)."""
+
+
+class InsufficientMemory(KilnError):
+    """The compile's predicted peak memory is more than this host has free."""

@@ -151,6 +151,21 @@ def preflight(spec: ModelSpec, max_context: int | None) -> int | None:
     return limit
 
 
+def fp32_weight_bytes(spec: ModelSpec) -> int | None:
+    """The model's weights in fp32, from its config.json's shapes, before anything is loaded; None for
+    a GGUF file (its header would have to be read tensor by tensor) or a config without the shapes."""
+    from runtime.errors import IncompatibleArtifact
+    from runtime.memory import config_interface
+
+    source = resolve_source(spec)
+    if source.kind == "gguf":
+        return None
+    try:
+        return config_interface(_raw_config(source), "fp32")[1]
+    except (IncompatibleArtifact, TypeError, ValueError):
+        return None
+
+
 def _raw_config(source: Source) -> dict[str, Any]:
     path = source.path / "config.json"
     if not path.is_file():

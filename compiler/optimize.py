@@ -14,7 +14,6 @@ tolerance of the export stage fails the compile.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +22,7 @@ import numpy as np
 from .errors import ExportMismatch
 from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file
 from .fusions import ONNXRUNTIME_RULES, group_query_attention
+from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
 from .validate_export import RELATIVE_TOLERANCE
 
@@ -53,6 +53,8 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
     }
     if target == "tensorrt":
         report["tensorrt_check"] = check_tensorrt_graph(model)
+    del model  # the in-memory graph (its weights included) before the check's sessions load theirs
+    release_freed_memory()
     report["check"] = compare_graphs(exported, optimized)
     return optimized, report
 
@@ -99,11 +101,21 @@ CHECK_PROMPT, CHECK_STEPS = 9, 4
 
 
 def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int = 0) -> dict[str, Any]:
-    """Greedy decode of the reference graph, replayed on the candidate; raise if logits part ways."""
+    """Greedy decode of the reference graph, replayed on the candidate; raise if logits part ways. One
+    ONNX Runtime session at a time: a session holds the weights (and ONNX Runtime's pre-packed copy)."""
+    from runtime.backend import OnnxRuntimeBackend
+
+    steps = _greedy_steps(reference, seed)
+    release_freed_memory()
+    backend = OnnxRuntimeBackend(candidate.model_path, candidate.interface)
+    cache = backend.new_cache(len(CHECK_PADS), CHECK_PROMPT + CHECK_STEPS)
     errors, agree = [], []
-    for ref, out, real in _lockstep(reference, candidate, seed):
+    for ids, mask, positions, ref in steps:
+        out, cache = backend.run(ids, mask, positions, cache)
+        real = mask[:, -ref.shape[1]:].astype(bool)
         errors.append((float(np.abs(out - ref)[real].max()), float(np.abs(ref[real]).max())))
         agree.append((out.argmax(-1) == ref.argmax(-1))[real])
+    backend.close()
     worst_abs = max(e for e, _ in errors)
     relative = max(e / max(scale, 1e-12) for e, scale in errors)
     result = {"max_abs_logit_error": worst_abs, "max_rel_logit_error": relative,
@@ -117,10 +129,12 @@ def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int =
     return result
 
 
-def _lockstep(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int) -> Iterator[tuple]:
+def _greedy_steps(reference: OnnxArtifact, seed: int) -> list[tuple]:
+    """(input_ids, attention_mask, position_ids, logits) of each step of the reference graph's greedy
+    decode of a left-padded batch: prefill, then CHECK_STEPS decode steps."""
     from runtime.backend import OnnxRuntimeBackend
 
-    backends = [OnnxRuntimeBackend(a.model_path, a.interface) for a in (reference, candidate)]
+    backend = OnnxRuntimeBackend(reference.model_path, reference.interface)
     rng = np.random.default_rng(seed)
     batch = len(CHECK_PADS)
     ids = rng.integers(0, reference.shapes.vocab_size, (batch, CHECK_PROMPT))
@@ -128,12 +142,13 @@ def _lockstep(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int) -> It
     for row, pad in enumerate(CHECK_PADS):
         mask[row, :pad] = 0
     positions = np.clip(mask.cumsum(-1) - 1, 0, None)
-    caches = [b.new_cache(batch, CHECK_PROMPT + CHECK_STEPS) for b in backends]
+    cache = backend.new_cache(batch, CHECK_PROMPT + CHECK_STEPS)
+    steps = []
     for _ in range(CHECK_STEPS + 1):
-        outputs = [b.run(ids, mask, positions, c) for b, c in zip(backends, caches, strict=True)]
-        (ref, caches[0]), (out, caches[1]) = outputs
-        real = mask[:, -ref.shape[1]:].astype(bool)
-        yield ref, out, real
+        ref, cache = backend.run(ids, mask, positions, cache)
+        steps.append((ids, mask, positions, ref))
         ids = ref[:, -1].argmax(-1)[:, None].astype(np.int64)
         mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
         positions = mask.sum(-1, keepdims=True) - 1
+    backend.close()
+    return steps

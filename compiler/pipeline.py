@@ -1,5 +1,6 @@
-"""compile-model's pipeline: recipe -> load -> export -> validate export -> eager reference -> per variant
-(optimize -> quantize -> A/B against eager + gates, reports/<variant>.*) -> package.
+"""compile-model's pipeline: recipe -> load -> export -> eager reference (export cases, prompts, text;
+then the torch model is freed) -> validate export -> per variant (optimize -> quantize -> A/B against
+eager + gates, reports/<variant>.*) -> package.
 
 Each stage is a function from one artifact to the next; this module only sequences them, times
 them, and makes sure the result appears all at once or not at all.
@@ -18,13 +19,13 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backend import OnnxRuntimeBackend, open_backend
-from runtime.memory import measure_in_subprocess
+from runtime.memory import free_host_memory, measure_in_subprocess
 
 from .accuracy import Inputs, Run, measure, reference_run
 from .compare import Side, assemble, eager_side, read_inputs
-from .errors import GateFailure, OutputError, RecipeError
+from .errors import GateFailure, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
-from .load import Checkpoint, load_checkpoint, preflight
+from .load import Checkpoint, fp32_weight_bytes, load_checkpoint, preflight
 from .optimize import optimize
 from .package import (
     model_facts,
@@ -53,12 +54,42 @@ from .recipe import (
 )
 from .report import write_report
 from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
-from .validate_export import CASES, validate_export
+from .validate_export import CASES, eager_cases, validate_export
+
+# A compile's peak resident memory against the model's fp32 weights: the line through what
+# bench/compile_scale.py measured for random Llamas of 135M and 486M parameters with one fp32 variant
+# (3.61 and 10.15 GiB; README, "Compile time and memory"). The base is torch, ONNX Runtime and their
+# libraries. A quantized variant's stage peaked 1.2 GiB (2.4x the weights) above the fp32 one's on SmolLM2.
+COMPILE_BASE_BYTES = int(1.1 * 2**30)
+COMPILE_PEAK_PER_WEIGHT_BYTE = 5.0
+QUANTIZED_VARIANT_PER_WEIGHT_BYTE = 2.5
+
+
+def predicted_compile_peak(weight_bytes: int, quantized_variants: int) -> int:
+    factor = COMPILE_PEAK_PER_WEIGHT_BYTE + (QUANTIZED_VARIANT_PER_WEIGHT_BYTE if quantized_variants else 0)
+    return int(COMPILE_BASE_BYTES + factor * weight_bytes)
+
+
+def check_compile_memory(recipe: Recipe, variants: Sequence[Variant]) -> int | None:
+    """Refuse, before loading anything, a compile whose predicted peak is over the memory this host has
+    free (it would be killed by the OOM killer halfway, after minutes). Returns the prediction (None
+    where the weights cannot be known from a config: GGUF files)."""
+    weights = fp32_weight_bytes(recipe.model)
+    if weights is None:
+        return None
+    needed = predicted_compile_peak(weights, sum(1 for v in variants if v.quantize))
+    free = free_host_memory()
+    if needed > free:
+        raise InsufficientMemory(
+            f"this compile needs about {needed / 2**30:.1f} GiB (the model's fp32 weights are "
+            f"{weights / 2**30:.1f} GiB) and this host has {free / 2**30:.1f} GiB free; free memory, compile on "
+            "a larger machine, or pass --no-memory-check to try anyway")
+    return needed
 
 
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, variant_names: Sequence[str] = (),
                    debug: bool = False, keep_failed: bool = False, strict: bool = False,
-                   log: StageLog | None = None) -> Path:
+                   log: StageLog | None = None, memory_check: bool = True) -> Path:
     """Build the artifact a recipe describes; returns its folder."""
     log = log or StageLog()
     started = time.perf_counter()
@@ -69,6 +100,9 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     if asked is None:
         recipe = with_max_context(recipe, min(DEFAULT_MAX_CONTEXT, limit or DEFAULT_MAX_CONTEXT), str(recipe_path))
         variants = recipe.select_variants(variant_names)
+    predicted = check_compile_memory(recipe, variants) if memory_check else None
+    if predicted is not None:
+        log.note(f"predicted peak memory {predicted / 2**30:.1f} GiB, {free_host_memory() / 2**30:.1f} GiB free")
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
     for stale in remove_stale_staging(final):
         log.note(f"removed {stale}, left by a compile that was killed")
@@ -81,24 +115,27 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             with log.spinner("tracing with torch.export and translating to ONNX"):
                 exported = export(checkpoint, recipe.export, staging / ".work" / "export", debug=debug)
             log.note(f"{exported.node_count} nodes, files: {', '.join(exported.files)}")
-        with log.stage("validate export", "ONNX Runtime vs eager torch"):
-            with log.bar("validation cases", total=len(CASES)) as advance:
-                validation = validate_export(checkpoint, exported, on_case=lambda _: advance())
-            log.note(
-                f"max |logit error| {validation['max_abs_logit_error']:.3g} "
-                f"(relative {validation['max_rel_logit_error']:.2g}, tolerance {validation['tolerance_relative']:g})"
-            )
-        with log.stage("reference", "eager torch on the validation prompts and held-out text"):
+        with log.stage("reference", "eager torch on the export's validation cases, the validation prompts and "
+                                    "held-out text"):
+            cases = eager_cases(checkpoint, exported)
             eager = eager_side(checkpoint, f"eager:{recipe.model.source}", device="cpu")
             data = _validation_data(recipe, base, eager)
             reference = reference_run(eager.backend, data.inputs)
             model = model_facts(checkpoint, recipe.export.max_context)
             source = _source_section(checkpoint)
             write_tokenizer(checkpoint, staging / "tokenizer")
-        # The A/B needs eager's reference run, not eager's weights: they go before the variants load theirs.
+        # Every later stage needs eager's outputs, not eager's weights: they go before ONNX Runtime loads
+        # the graph's, so the two are never resident at once.
         eager = dataclasses.replace(eager, backend=None)
         del checkpoint
         release_freed_memory()
+        with log.stage("validate export", "ONNX Runtime vs eager torch"):
+            with log.bar("validation cases", total=len(CASES)) as advance:
+                validation = validate_export(cases, exported, on_case=lambda _: advance())
+            log.note(
+                f"max |logit error| {validation['max_abs_logit_error']:.3g} "
+                f"(relative {validation['max_rel_logit_error']:.2g}, tolerance {validation['tolerance_relative']:g})"
+            )
         built = {}
         for variant in variants:
             with log.stage(f"variant {variant.name}", _describe(variant)):
@@ -203,8 +240,10 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         write_report(comparison, staging / "reports", stem=stem)
         return comparison
 
-    comparison = against_eager(OnnxRuntimeBackend(graph.model_path, graph.interface), variant.name,
-                               "ONNX Runtime CPU")
+    backend = OnnxRuntimeBackend(graph.model_path, graph.interface)
+    comparison = against_eager(backend, variant.name, "ONNX Runtime CPU")
+    backend.close()  # before the memory measurement's process loads the graph again
+    release_freed_memory()
     metrics, failures = comparison["summary"], comparison["failed_gates"]
     log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
              f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"

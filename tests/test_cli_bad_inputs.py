@@ -21,6 +21,9 @@ import pytest
 BIN = Path(sys.executable).parent
 BINARY = bytes(range(0xc0, 0x100)) * 4  # not UTF-8 from its first byte
 CONFIG = json.dumps({"model_type": "llama", "architectures": ["LlamaForCausalLM"], "max_position_embeddings": 256})
+# A Llama of 2.6 TB of fp32 weights: refused from its config.json before any weight is looked for.
+HUGE_CONFIG = json.dumps({**json.loads(CONFIG), "hidden_size": 16384, "intermediate_size": 53248,
+                          "num_hidden_layers": 200, "num_attention_heads": 128, "vocab_size": 128256})
 
 
 def recipe(source: str = "{ckpt}", max_context: int = 128) -> str:
@@ -35,6 +38,8 @@ ROWS = [
      "r.yaml: not a UTF-8 YAML file"),
     ("no recipe", ["compile-model", "{tmp}/none.yaml"], {}, 2, "none.yaml: no such file"),
     ("malformed YAML", ["compile-model", "{tmp}/r.yaml"], {"r.yaml": "name: [x\n"}, 2, "malformed YAML"),
+    ("compile over this host's memory", ["compile-model", "{tmp}/r.yaml"],
+     {"r.yaml": recipe("{tmp}/huge"), "huge/config.json": HUGE_CONFIG}, 1, "GiB free; free memory, compile on"),
     ("unknown option", ["compile-model", "{tmp}/r.yaml", "--fast"], {"r.yaml": recipe()}, 2,
      "No such option '--fast'"),
     ("missing source", ["compile-model", "{tmp}/r.yaml"], {"r.yaml": recipe("{tmp}/nothing")}, 2,
