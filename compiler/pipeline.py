@@ -70,10 +70,10 @@ def predicted_compile_peak(weight_bytes: int, quantized_variants: int) -> int:
     return int(COMPILE_BASE_BYTES + factor * weight_bytes)
 
 
-def check_compile_memory(recipe: Recipe, variants: Sequence[Variant]) -> int | None:
+def check_compile_memory(recipe: Recipe, variants: Sequence[Variant]) -> tuple[int, int] | None:
     """Refuse, before loading anything, a compile whose predicted peak is over the memory this host has
-    free (it would be killed by the OOM killer halfway, after minutes). Returns the prediction (None
-    where the weights cannot be known from a config: GGUF files)."""
+    free (it would be killed by the OOM killer halfway, after minutes). Returns the prediction and the
+    free memory (None where the weights cannot be known from a config: GGUF files)."""
     weights = fp32_weight_bytes(recipe.model)
     if weights is None:
         return None
@@ -84,7 +84,7 @@ def check_compile_memory(recipe: Recipe, variants: Sequence[Variant]) -> int | N
             f"this compile needs about {needed / 2**30:.1f} GiB (the model's fp32 weights are "
             f"{weights / 2**30:.1f} GiB) and this host has {free / 2**30:.1f} GiB free; free memory, compile on "
             "a larger machine, or pass --no-memory-check to try anyway")
-    return needed
+    return needed, free
 
 
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, variant_names: Sequence[str] = (),
@@ -100,9 +100,9 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     if asked is None:
         recipe = with_max_context(recipe, min(DEFAULT_MAX_CONTEXT, limit or DEFAULT_MAX_CONTEXT), str(recipe_path))
         variants = recipe.select_variants(variant_names)
-    predicted = check_compile_memory(recipe, variants) if memory_check else None
-    if predicted is not None:
-        log.note(f"predicted peak memory {predicted / 2**30:.1f} GiB, {free_host_memory() / 2**30:.1f} GiB free")
+    memory = check_compile_memory(recipe, variants) if memory_check else None
+    if memory is not None:
+        log.note(f"predicted peak memory {memory[0] / 2**30:.1f} GiB, {memory[1] / 2**30:.1f} GiB free")
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
     for stale in remove_stale_staging(final):
         log.note(f"removed {stale}, left by a compile that was killed")

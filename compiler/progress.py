@@ -6,11 +6,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import ctypes.util
+import functools
 import gc
 import resource
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from rich.console import Console
 from rich.markup import escape
@@ -106,10 +108,16 @@ def release_freed_memory() -> None:
     cycles first, then glibc's free lists, which otherwise keep a freed graph's hundreds of MB resident
     (malloc_trim; a no-op where the C library has none)."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
-        trim = None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
+
+
+@functools.cache
+def _malloc_trim() -> Any:
+    """glibc's malloc_trim, looked up once (find_library runs ldconfig in a subprocess), or None."""
+    name = ctypes.util.find_library("c")
+    try:
+        return ctypes.CDLL(name).malloc_trim if name else None
+    except (OSError, AttributeError):
+        return None

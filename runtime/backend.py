@@ -68,7 +68,7 @@ def expand(names: list[dict[str, Any]], layers: int) -> list[str]:
     return out
 
 
-def _kv_order(names: list[str]) -> list[str]:
+def kv_order(names: list[str]) -> list[str]:
     """Templates list all keys then all values; the cache is ordered key, value per layer."""
     keys = [n for n in names if n.endswith(".key")]
     values = [n for n in names if n.endswith(".value")]
@@ -118,8 +118,8 @@ class OnnxRuntimeBackend:
         options.log_severity_level = 3  # warnings about pruned initializers are noise to a user
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         layers = interface["layers"]
-        self.past_names = _kv_order(expand(interface["inputs"][3:], layers))
-        self.output_names = ["logits", *_kv_order(expand(interface["outputs"][1:], layers))]
+        self.past_names = kv_order(expand(interface["inputs"][3:], layers))
+        self.output_names = ["logits", *kv_order(expand(interface["outputs"][1:], layers))]
         self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
         self.vocab_size = interface["vocab_size"]
         self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])

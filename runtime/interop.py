@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
+from .backend import expand, kv_order
 from .errors import ArtifactError
 
 CONFIG = "config.json"
@@ -171,16 +172,12 @@ def input_shapes(interface: dict[str, Any], sizes: dict[str, int]) -> list[tuple
             and sizes["past"] > 0):
         raise ValueError("a GroupQueryAttention graph runs seq > 1 after past tokens only at batch 1 (ONNX "
                          "Runtime's limit): use batch=1, seq=1 or past=0")
-    shapes = []
-    for entry in interface["inputs"]:
-        dims = [_dim(d, values) for d in entry["shape"]]
-        if "{layer}" in entry["name"]:
-            shapes.extend((entry["name"].format(layer=i), dims) for i in range(interface["layers"]))
-        else:
-            shapes.append((entry["name"], dims))
+    layers, inputs = interface["layers"], interface["inputs"]
+    dims = {name: [_dim(d, values) for d in entry["shape"]] for entry in inputs for name in expand([entry], layers)}
     if interface.get("leading_kv_slot"):  # the engine's masked slot at the front of the cache and the mask
-        shapes = [(n, _with_slot(n, d)) for n, d in shapes]
-    return _kv_pairs(shapes)
+        dims = {name: _with_slot(name, d) for name, d in dims.items()}
+    # In the order the graph declares them, as the runtime binds them: key and value per layer.
+    return [(name, dims[name]) for name in expand(inputs[:3], layers) + kv_order(expand(inputs[3:], layers))]
 
 
 def parse_sizes(text: str) -> dict[str, int]:
@@ -215,14 +212,6 @@ def _with_slot(name: str, dims: list[int]) -> list[int]:
     if name.startswith("past_key_values."):
         return [dims[0], dims[1], dims[2] + 1, dims[3]]
     return dims
-
-
-def _kv_pairs(shapes: list[tuple[str, list[int]]]) -> list[tuple[str, list[int]]]:
-    """Inputs in the order the graph declares them: key and value per layer (templates list keys first)."""
-    plain = [s for s in shapes if not s[0].startswith("past_key_values.")]
-    keys = [s for s in shapes if s[0].endswith(".key")]
-    values = [s for s in shapes if s[0].endswith(".value")]
-    return plain + [pair for kv in zip(keys, values, strict=True) for pair in kv]
 
 
 def _template(entries: list[dict[str, Any]], suffix: str) -> str:

@@ -91,6 +91,25 @@ def build_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     return folder
 
 
+def genai_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """onnxruntime-genai's greedy tokens for each prompt alone, from a folder it opens as it is."""
+    import onnxruntime_genai as og
+
+    model = og.Model(str(folder))
+    out = []
+    for ids in prompts:
+        params = og.GeneratorParams(model)
+        params.set_search_options(max_length=len(ids) + new_tokens, do_sample=False)
+        generator = og.Generator(model, params)
+        generator.append_tokens(ids)
+        tokens = []
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(int(generator.get_next_tokens()[0]))
+        out.append(tokens)
+    return out
+
+
 FP32_VARIANT = "  - {name: cpu-fp32, target: onnxruntime}\n"
 UNFUSED_VARIANT = "  - {name: cpu-fp32-unfused, target: onnxruntime, fuse: false}\n"
 

@@ -104,25 +104,16 @@ def test_beam_search_equals_transformers(smollm2_artifact, eager_smollm2):
 def test_genai_opens_the_variant_folders_with_kilns_tokens(smollm2_artifact):
     """onnxruntime-genai 0.18 on the folders as shipped, prompt by prompt (Kiln's int8 graph quantizes
     activations per tensor, so a batch is not compared here: issue 19's batch invariance)."""
-    og = pytest.importorskip("onnxruntime_genai")
+    pytest.importorskip("onnxruntime_genai")
     from runtime.generator import Generator
     from runtime.sampling import SamplingParams
+    from tests.conftest import genai_greedy
 
     for variant in ("cpu-fp32", "cpu-int8"):
         generator = Generator.load(smollm2_artifact, variant)
-        model = og.Model(str(smollm2_artifact / "variants" / variant))
-        for prompt in PROMPTS:
-            ids = generator.encode(prompt)
-            kiln = generator.generate([ids], SamplingParams(max_new_tokens=16))[0].token_ids
-            params = og.GeneratorParams(model)
-            params.set_search_options(max_length=len(ids) + 16, do_sample=False)
-            generated = og.Generator(model, params)
-            generated.append_tokens(ids)
-            tokens = []
-            while not generated.is_done():
-                generated.generate_next_token()
-                tokens.append(int(generated.get_next_tokens()[0]))
-            assert tokens == kiln, (variant, prompt)
+        prompts = [generator.encode(p) for p in PROMPTS]
+        kiln = [generator.generate([ids], SamplingParams(max_new_tokens=16))[0].token_ids for ids in prompts]
+        assert genai_greedy(smollm2_artifact / "variants" / variant, prompts, 16) == kiln, variant
 
 
 def test_memory_plan_holds_for_a_real_run(smollm2_artifact):

@@ -19,8 +19,9 @@ from runtime.artifact import Artifact
 from runtime.generator import Generator
 from runtime.interop import input_shapes, parse_sizes
 from runtime.sampling import SamplingParams
+from tests.conftest import genai_greedy
 
-og = pytest.importorskip("onnxruntime_genai")
+pytest.importorskip("onnxruntime_genai")
 
 PROMPTS = ["The quick brown fox", "A KV cache keeps the keys and values of earlier tokens. Prefill runs",
            "def add(a, b):", "Paris is the capital of"]
@@ -32,29 +33,13 @@ def _kiln(*args):
     return subprocess.run([sys.executable, "-m", "runtime.kiln_cli", *map(str, args)], capture_output=True, text=True)
 
 
-def _genai_greedy(folder: Path, prompts: list[list[int]]) -> list[list[int]]:
-    model = og.Model(str(folder))
-    out = []
-    for ids in prompts:
-        params = og.GeneratorParams(model)
-        params.set_search_options(max_length=len(ids) + NEW_TOKENS, do_sample=False)
-        generator = og.Generator(model, params)
-        generator.append_tokens(ids)
-        tokens = []
-        while not generator.is_done():
-            generator.generate_next_token()
-            tokens.append(int(generator.get_next_tokens()[0]))
-        out.append(tokens)
-    return out
-
-
 def test_genai_opens_each_variant_folder_with_kilns_greedy_tokens(tiny_artifacts, family):
     artifact = tiny_artifacts[family]
     for variant in VARIANTS:
         generator = Generator.load(artifact, variant)
         prompts = [generator.encode(p) for p in PROMPTS]
         kiln = [r.token_ids for r in generator.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))]
-        assert _genai_greedy(artifact / "variants" / variant, prompts) == kiln, variant
+        assert genai_greedy(artifact / "variants" / variant, prompts, NEW_TOKENS) == kiln, variant
 
 
 def test_sidecars_are_listed_hashed_and_read_by_transformers(tiny_artifacts, tiny_checkpoints, family):
@@ -97,7 +82,7 @@ def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
     generator = Generator.load(artifact, "cpu-fp32-unfused")
     prompts = [generator.encode(p) for p in PROMPTS[:2]]
     kiln = [r.token_ids for r in generator.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))]
-    assert _genai_greedy(out, prompts) == kiln
+    assert genai_greedy(out, prompts, NEW_TOKENS) == kiln
     assert json.loads((out / "genai_config.json").read_text())["search"]["past_present_share_buffer"] is False
     optimum = tmp_path / "optimum"
     assert _kiln("export-for", "optimum", artifact, optimum, "--copy").returncode == 0
