@@ -6,9 +6,11 @@
 Every target gets onnxscript's optimizer (constant folding, shape simplification, dead code). The
 onnxruntime target then gets ONNX Runtime contrib ops; when GroupQueryAttention replaces attention,
 the interface says so (`kv_sharing: shared-buffer`) and the runtime binds one buffer as past and
-present. The fused graph is run against the unfused one under ONNX Runtime on a left-padded batch,
-through prefill and decode steps, with the runtime's own backend; a difference beyond the fp32
-tolerance of the export stage fails the compile.
+present; `row_lengths: mask` says the op reads each row's length from its mask, so the runtime may
+keep every row at the front of its buffer. The fused graph is run against the unfused one under
+ONNX Runtime on a left-padded batch, through prefill and decode steps, with the runtime's own
+backend (in both row layouts where the graph takes both); a difference beyond the fp32 tolerance
+of the export stage fails the compile.
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ def _interface_after(interface: dict[str, Any], rules: dict[str, int]) -> dict[s
     capacity = ["batch", interface["kv_heads"], "capacity", interface["head_dim"]]
     shaped = lambda entries: [{**e, "shape": capacity} if "{layer}" in e["name"] else e for e in entries]  # noqa: E731
     return {**interface, "inputs": shaped(interface["inputs"]), "outputs": shaped(interface["outputs"]),
-            "kv_sharing": "shared-buffer"}
+            "kv_sharing": "shared-buffer", "row_lengths": "mask"}
 
 
 def _drop_unused_initializers(model: Any) -> None:
@@ -108,13 +110,17 @@ def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int =
     steps = _greedy_steps(reference, seed)
     release_freed_memory()
     backend = OnnxRuntimeBackend(candidate.model_path, candidate.interface)
-    cache = backend.new_cache(len(CHECK_PADS), CHECK_PROMPT + CHECK_STEPS)
     errors, agree = [], []
-    for ids, mask, positions, ref in steps:
-        out, cache = backend.run(ids, mask, positions, cache)
-        real = mask[:, -ref.shape[1]:].astype(bool)
-        errors.append((float(np.abs(out - ref)[real].max()), float(np.abs(ref[real]).max())))
-        agree.append((out.argmax(-1) == ref.argmax(-1))[real])
+    # A graph that reads row lengths from the mask runs in Kiln's layout (rows from slot 0) and in
+    # the left-padded one other tools feed it: both are checked.
+    for front_aligned in sorted({backend.front_aligned, False}, reverse=True):
+        backend.front_aligned = front_aligned
+        cache = backend.new_cache(len(CHECK_PADS), CHECK_PROMPT + CHECK_STEPS)
+        for ids, mask, positions, ref in steps:
+            out, cache = backend.run(ids, mask, positions, cache)
+            real = mask[:, -ref.shape[1]:].astype(bool)
+            errors.append((float(np.abs(out - ref)[real].max()), float(np.abs(ref[real]).max())))
+            agree.append((out.argmax(-1) == ref.argmax(-1))[real])
     backend.close()
     worst_abs = max(e for e, _ in errors)
     relative = max(e / max(scale, 1e-12) for e, scale in errors)

@@ -108,8 +108,18 @@ class QuantizeSpec(_Strict):
     method: Literal["minmax", "entropy", "percentile"] = "minmax"
     # int8-dynamic, int4: weights per block of this many input features (MatMulNBits).
     block_size: Literal[16, 32, 64, 128, 256] = 32
+    # int8-dynamic, int4: each weight to its nearest level, or GPTQ (compiler/gptq.py): rounding
+    # errors pushed onto the weights not yet rounded, by the calibration prompts' activations.
+    rounding: Literal["nearest", "gptq"] = "nearest"
     # Module-path globs kept in fp32, e.g. ["lm_head", "model.layers.*.mlp.down_proj"].
     exclude: list[str] = []
+
+    @model_validator(mode="after")
+    def _rounding_fits_mode(self) -> QuantizeSpec:
+        if self.rounding == "gptq" and self.mode == "int8-static":
+            raise ValueError("rounding: gptq rounds weight blocks (int8-dynamic, int4); int8-static "
+                             "calibrates activation ranges instead: drop rounding or change the mode")
+        return self
 
 
 # What each target can execute, as (precision, quantize mode); the schema refuses the rest up front.

@@ -8,6 +8,17 @@ the two forms the interface's `kv_sharing` names:
   and bound as both past and present, so ONNX Runtime writes this step's keys and values into it
   in place and the cache is never copied.
 
+Callers see every cache right-aligned (a row's newest slot in the last column, left padding). Where
+the graph reads each row's length from its mask (interface `row_lengths: mask`), the shared-buffer
+backend stores each row at the front of its buffer instead, slots 0 to its length, and hands the
+graph a mask in that layout: ONNX Runtime's attention then reduces over the row's own slots only,
+so a row's numbers do not depend on how much padding the rest of the batch puts in front of it.
+Measured on SmolLM2 cpu-int8: with left padding, the softmax's sums change in the last bit with the
+pad count, int8 activation rounding grows that into different greedy tokens on 5 of 8 prompts
+batched against alone; stored at the front, 8 of 8 equal. A multi-token step whose rows have
+different numbers of new tokens (a padded prefill) then runs row by row, because ONNX Runtime's
+GroupQueryAttention writes a row's new tokens after its length, pads included.
+
 Besides run, the protocol every backend follows (ONNX Runtime here, TensorRT in tensorrt_backend.py):
     new_cache(batch, capacity)                     an empty cache
     keep_rows(cache, rows, front=0, capacity=None) a new cache of some rows, in any order, repeated
@@ -124,6 +135,8 @@ class OnnxRuntimeBackend:
         self.vocab_size = interface["vocab_size"]
         self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
         self.shared = interface.get("kv_sharing", "none") == "shared-buffer"
+        self.front_aligned = self.shared and interface.get("row_lengths") == "mask"
+        self.logits_last = interface.get("logits") == "last"
         self.lead = int(bool(interface.get("leading_kv_slot")))
         self.limits = Limits(chunked_prefill="one-row" if self.shared else "any")
 
@@ -140,6 +153,12 @@ class OnnxRuntimeBackend:
         (default: as many as before)."""
         cache = self._cache(cache)
         capacity = capacity or cache.capacity
+        if self.front_aligned:  # rows start at slot 0: pad columns in front exist only in callers' view
+            length = cache.length + front
+            if capacity == cache.capacity and list(rows) == list(range(cache.batch)):
+                cache.length = length
+                return cache
+            return KvCache(rows_of(list(cache), rows, 0, min(length, cache.length), 0, capacity), length, True)
         if self.shared and front < 0 and capacity == cache.capacity and list(rows) == list(range(cache.batch)):
             for array in cache:  # the same rows, moved to the front of the same buffers: no new memory
                 for row in array:
@@ -151,12 +170,20 @@ class OnnxRuntimeBackend:
 
     def write_rows(self, cache: KvCache, rows: Sequence[int], source: KvCache, source_rows: Sequence[int]) -> KvCache:
         """Copy `source_rows` of `source` into `rows` of `cache`, in place, newest slots aligned."""
+        if self.front_aligned:
+            if source.length > cache.capacity:
+                raise ValueError(f"rows of {source.length} slots do not fit buffers of {cache.capacity}")
+            for array, rows_from in zip(cache, source, strict=True):
+                array[list(rows), :, :source.length] = rows_from[list(source_rows), :, :source.length]
+            return cache
         write_right_aligned(list(cache), rows, cache.length, list(source), source_rows, source.length, self.lead)
         return cache
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: list[np.ndarray]) -> tuple[np.ndarray, KvCache]:
         cache = self._cache(cache)
+        if self.front_aligned:
+            return self._run_front_aligned(input_ids, attention_mask, position_ids, cache)
         if self.shared:
             return self._run_in_place(input_ids, attention_mask, position_ids, cache)
         if self.lead:
@@ -174,6 +201,30 @@ class OnnxRuntimeBackend:
         if isinstance(cache, KvCache):
             return cache
         return KvCache(list(cache), 0 if self.shared else cache[0].shape[2] - self.lead, self.shared)
+
+    def _run_front_aligned(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                           cache: KvCache) -> tuple[np.ndarray, KvCache]:
+        """A step on rows stored from slot 0: the callers' right-aligned mask becomes each row's length."""
+        if attention_mask.shape[1] > cache.capacity:
+            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
+        seq = input_ids.shape[1]
+        lengths = attention_mask.sum(1)
+        new = attention_mask[:, -seq:].sum(1)
+        if np.any((new == 0) & (lengths > 0)):
+            raise ValueError("a row with slots in use must feed its next token: its newest column is masked")
+        if seq == 1 or (np.all(new == seq) and np.all(lengths == seq)):
+            front_mask = (np.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).astype(np.int64)
+            logits, cache = self._run_in_place(input_ids, front_mask, position_ids, cache)
+        else:  # a padded prefill, or a chunk after earlier ones: each row alone, without its pads
+            logits = np.zeros((len(input_ids), 1 if self.logits_last else seq, self.vocab_size), np.float32)
+            for row in np.flatnonzero(new):
+                count, view = int(new[row]), KvCache([array[row:row + 1] for array in cache], 0, True)
+                out, _ = self._run_in_place(input_ids[row:row + 1, seq - count:],
+                                            np.ones((1, int(lengths[row])), np.int64),
+                                            position_ids[row:row + 1, seq - count:], view)
+                logits[row, logits.shape[1] - out.shape[1]:] = out[0]
+        cache.length = attention_mask.shape[1]
+        return logits, cache
 
     def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                       cache: KvCache) -> tuple[np.ndarray, KvCache]:

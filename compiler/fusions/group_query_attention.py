@@ -18,10 +18,13 @@ After:
     seqlens_k, total_length, bias (once, from the mask) ─────┘        └──> present.key, present.value
 
 With the same buffer bound as past and present (IO binding), ONNX Runtime writes only this step's
-keys and values into it: the cache is never copied. Left padding stays the runtime's convention:
-every row has the same number of slots (seqlens_k = slots - 1 for all rows) and the additive bias
-masks the pad slots. Rotary stays outside the op, on the model's own position ids, because GQA's
-built-in rotary would count pad slots as positions.
+keys and values into it: the cache is never copied. Each row's length is read from its mask
+(seqlens_k = its last unmasked slot), so the graph takes both layouts: left-padded rows that end in
+the last column (Optimum's; seqlens_k = slots - 1 for every row) and rows that start at slot 0
+(onnxruntime-genai's, and Kiln's runtime's: each row at the front of its buffer, so ONNX Runtime's
+attention reduces over that row's own slots and the result does not depend on what else is in the
+batch). The additive bias masks pad slots. Rotary stays outside the op, on the model's own position
+ids, because GQA's built-in rotary would count pad slots as positions.
 """
 
 from __future__ import annotations
@@ -203,7 +206,7 @@ def _mask_inputs(graph: Any) -> dict[str, Any]:
     """Once for all layers:
 
         attention_mask [b, t] ──Shape[1]──> t ──Cast int32──> total_length (scalar)
-                                               └──-1, Expand [b]──> seqlens_k (every row has t slots)
+        attention_mask × Range(t) ──ReduceMax over slots──Cast int32──> seqlens_k [b] (last unmasked slot)
         attention_mask ──Equal 0──Where(MASKED_SCORE, 0)──Reshape[b,1,1,t]──Expand[b,1,s,t]──> bias
     """
     import onnx_ir as ir
@@ -218,10 +221,12 @@ def _mask_inputs(graph: Any) -> dict[str, Any]:
     slots = tape.op("Shape", [mask], {"start": 1, "end": 2})
     batch = tape.op("Shape", [ids], {"start": 0, "end": 1})
     seq = tape.op("Shape", [ids], {"start": 1, "end": 2})
-    slots32 = tape.op("Cast", [slots], {"to": ir.DataType.INT32})
-    total_length = tape.op("Squeeze", [slots32])
-    last_slot = tape.op("Sub", [slots32, const("one", np.array([1], np.int32))])
-    seqlens_k = tape.op("Expand", [last_slot, batch])
+    total_length = tape.op("Squeeze", [tape.op("Cast", [slots], {"to": ir.DataType.INT32})])
+    slot_index = tape.op("Range", [const("zero_index", np.array(0, np.int64)), tape.op("Squeeze", [slots]),
+                                   const("one_index", np.array(1, np.int64))])
+    unmasked_index = tape.op("Mul", [mask, slot_index])
+    last_unmasked = tape.op("ReduceMax", [unmasked_index, const("slot_axis", np.array([1], np.int64))], {"keepdims": 0})
+    seqlens_k = tape.op("Cast", [last_unmasked], {"to": ir.DataType.INT32})
     is_pad = tape.op("Equal", [mask, const("zero", np.array(0, np.int64))])
     row_bias = tape.op("Where", [is_pad, const("masked", np.array(MASKED_SCORE, np.float32)),
                                  const("unmasked", np.array(0.0, np.float32))])

@@ -20,6 +20,7 @@ from tests.conftest import write_recipe
 VARIANTS = """\
   - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head]}}
   - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 16}}
+  - {name: cpu-int4-gptq, target: onnxruntime, quantize: {mode: int4, rounding: gptq}}
   - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax}}
   - {name: cpu-fp16, target: onnxruntime, precision: fp16}
   - {name: trt-int8, target: tensorrt, quantize: {mode: int8-static}}
@@ -49,8 +50,11 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
     report = json.loads((quantized / entry["report"]).read_text())
     assert report["quantize"]["kept_fp32"] == ["lm_head"]
 
-    _, graph = _graph(quantized, "cpu-int4")
-    assert {a.i for n in graph.graph.node if n.op_type == "MatMulNBits" for a in n.attribute if a.name == "bits"} == {4}
+    for variant in ("cpu-int4", "cpu-int4-gptq"):
+        _, graph = _graph(quantized, variant)
+        nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+        assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
+        assert "MatMul" not in {n.op_type for n in graph.graph.node}
 
     for variant in ("cpu-int8-static", "trt-int8"):
         entry, graph = _graph(quantized, variant)
@@ -81,7 +85,7 @@ def test_every_variant_is_measured_and_generates(quantized):
         assert 0.5 < accuracy["top1_agreement"] <= 1.0, name
     fp16 = manifest["variants"]["cpu-fp16"]["accuracy"]
     assert fp16["top1_agreement"] > 0.97 and abs(fp16["perplexity_change"]) < 0.01
-    for variant in ("cpu-int8", "cpu-int4", "cpu-int8-static", "cpu-fp16"):
+    for variant in ("cpu-int8", "cpu-int4", "cpu-int4-gptq", "cpu-int8-static", "cpu-fp16"):
         result = Generator.load(quantized, variant).generate(["The quick brown"], SamplingParams(max_new_tokens=5))
         assert result[0].generated_tokens >= 1 and result[0].error is None
 
@@ -153,3 +157,54 @@ def test_each_variant_calibrates_on_its_own_file(tiny_checkpoints, tmp_path):
     assert data.calibration["qa"] == [encode("alpha alpha")] * 8
     assert data.calibration["qb"] == [encode("omega omega")] * 8
     assert len(data.calibration["plain"]) == 32  # the shipped default set
+
+
+def test_a_weight_on_an_int8_grid_keeps_it_exactly():
+    """A GGUF Q8_0 tensor (every block a multiple of max|w| / 127) is encoded on its own grid: its
+    codes and scales give back every weight exactly; a weight off any grid is left to ONNX Runtime."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from compiler.quantize import _encode_int8_grid, _int8_blocks, _on_int8_grid
+
+    rng = np.random.default_rng(0)
+    k, n, block = 64, 24, 32
+    steps = rng.uniform(0.001, 0.01, (n, k // block, 1)).astype(np.float32)
+    codes = rng.integers(-127, 128, (n, k // block, block))
+    codes[:, :, 0] = 127  # each block's largest weight sets its scale, as Q8_0's quantizer does
+    on_grid = (codes * steps).astype(np.float32).reshape(n, k).T.copy()
+    off_grid = rng.standard_normal((k, n)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w_on"], ["a"], name="on"),
+             helper.make_node("MatMul", ["x", "w_off"], ["b"], name="off")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, k])],
+                              [helper.make_tensor_value_info(o, onnx.TensorProto.FLOAT, [1, n]) for o in "ab"],
+                              [numpy_helper.from_array(on_grid, "w_on"), numpy_helper.from_array(off_grid, "w_off")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+
+    found = _on_int8_grid(model, block, excluded=[])
+    assert list(found) == ["on"]
+    codes8, scales = _int8_blocks(on_grid, block)
+    assert np.allclose(((codes8.astype(np.float32) - 128) * scales[..., None]).reshape(n, k).T, on_grid,
+                       rtol=1e-6, atol=0)
+    _encode_int8_grid(model, found, block)
+    assert [nd.op_type for nd in model.graph.node] == ["MatMulNBits", "MatMul"]
+    assert "w_on" not in {i.name for i in model.graph.initializer}
+    x = rng.standard_normal((1, k)).astype(np.float32)
+    a, _ = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    assert np.abs(a - x @ on_grid).max() < 0.02 * np.abs(x @ on_grid).max()  # int8 activations, exact weights
+
+
+@pytest.mark.parametrize("variant", ["cpu-int8", "cpu-int4"])
+def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant):
+    """int8 activation rounding turns a last-bit difference into another token, so a row's numbers
+    must not depend on its neighbours: each row's logits batched equal its logits alone, bit for bit,
+    and greedy tokens match."""
+    generator = Generator.load(quantized, variant, threads=2)
+    assert generator.backend.front_aligned
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(1, 300, int(rng.integers(3, 40)))] for _ in range(8)]
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=0)
+    alone = [generator.generate([p], params)[0] for p in prompts]
+    together = generator.generate(prompts, params)
+    assert [r.token_ids for r in together] == [r.token_ids for r in alone]
+    assert [[t.logprob for t in r.logprobs] for r in together] == [[t.logprob for t in r.logprobs] for r in alone]

@@ -92,6 +92,11 @@ BAD = {
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, quantize: {mode: int8-dynamic}}"),
         "variants.0: fp32 + int8-dynamic cannot be built for tensorrt; allowed: fp16, fp32, fp32 + int8-static",
     ),
+    "gptq rounding on static int8": (
+        ("{name: cpu-fp32, target: onnxruntime}",
+         "{name: c, target: onnxruntime, quantize: {mode: int8-static, rounding: gptq}}"),
+        "variants.0.quantize: rounding: gptq rounds weight blocks (int8-dynamic, int4); int8-static calibrates",
+    ),
     "profile context beyond max_context": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, profiles: {context: [1, 512, 4096]}}"),
         "variants.g.profiles.context: max 4096 exceeds export.max_context 2048",

