@@ -140,24 +140,29 @@ def matmul_nbits(name: str, activation: str, output: str, weight_name: str, bloc
     return node, initializers
 
 
+def replace_with_nbits(graph: Any, node: Any, blocks: np.ndarray, scales: np.ndarray, zeros: np.ndarray, bits: int,
+                       block_size: int) -> None:
+    """Swap a weight MatMul for MatMulNBits over these codes, in place; its fp32 weight goes when
+    nothing else reads it."""
+    fused, initializers = matmul_nbits(node.name, node.input[0], node.output[0], node.input[1], blocks, scales,
+                                       zeros, bits, block_size)
+    graph.initializer.extend(initializers)
+    index = list(graph.node).index(node)
+    graph.node.remove(node)
+    graph.node.insert(index, fused)
+    if not any(node.input[1] in x.input for x in graph.node):
+        graph.initializer.remove(next(i for i in graph.initializer if i.name == node.input[1]))
+
+
 def quantize_gptq(proto: Any, nodes: Sequence[str], hessian_of: dict[str, np.ndarray], bits: int,
-                  block_size: int, progress: Any = None) -> None:
+                  block_size: int) -> None:
     """Replace the MatMuls named in `nodes` (in place) with GPTQ-rounded MatMulNBits."""
     from onnx import numpy_helper
 
     graph = proto.graph
     inits = {i.name: i for i in graph.initializer}
-    for number, name in enumerate(nodes):
+    for name in nodes:
         node = next(x for x in graph.node if x.name == name)
         weight = numpy_helper.to_array(inits[node.input[1]])
-        blocks, scales, zeros = gptq_blocks(weight, hessian_of[node.input[0]], bits, block_size)
-        fused, initializers = matmul_nbits(name, node.input[0], node.output[0], node.input[1], blocks, scales,
-                                           zeros, bits, block_size)
-        graph.initializer.extend(initializers)
-        index = list(graph.node).index(node)
-        graph.node.remove(node)
-        graph.node.insert(index, fused)
-        if not any(node.input[1] in x.input for x in graph.node):
-            graph.initializer.remove(inits[node.input[1]])
-        if progress is not None:
-            progress(number + 1, len(nodes))
+        replace_with_nbits(graph, node, *gptq_blocks(weight, hessian_of[node.input[0]], bits, block_size), bits,
+                           block_size)

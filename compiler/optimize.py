@@ -23,7 +23,7 @@ import numpy as np
 
 from .errors import ExportMismatch
 from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file
-from .fusions import ONNXRUNTIME_RULES, group_query_attention
+from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls
 from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
 from .validate_export import RELATIVE_TOLERANCE
@@ -94,6 +94,28 @@ def _save(model: Any, exported: OnnxArtifact, interface: dict[str, Any], folder:
     node_count = finish_model_file(path)
     files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if external else [])
     return OnnxArtifact(folder, interface, exported.shapes, node_count, files)
+
+
+def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
+    """The pack_matmuls rule on a variant's finished graph (after quantize, so that each layer's
+    precision is decided first): the packed graph in `folder`, and how many MatMuls it removed."""
+    import onnx
+
+    proto = onnx.load(str(graph.model_path))
+    removed = pack_matmuls.apply(proto)
+    if not removed:
+        return graph, 0
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / MODEL_FILE
+    external = len(graph.files) > 1 or proto.ByteSize() >= EXTERNAL_DATA_THRESHOLD  # keep the graph's choice
+    if external:
+        onnx.save(proto, str(path), save_as_external_data=True, location=MODEL_FILE + ".data")
+    else:
+        onnx.save(proto, str(path))
+    del proto
+    node_count = finish_model_file(path)
+    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if external else [])
+    return OnnxArtifact(folder, graph.interface, graph.shapes, node_count, files), removed
 
 
 # -- the numerical check: the runtime's backend on both graphs ------------------------------------

@@ -25,8 +25,9 @@ from .accuracy import Inputs, Run, measure, reference_run
 from .compare import Side, assemble, eager_side, read_inputs
 from .errors import GateFailure, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
+from .fusions import pack_matmuls
 from .load import Checkpoint, fp32_weight_bytes, load_checkpoint, preflight
-from .optimize import optimize
+from .optimize import optimize, pack
 from .package import (
     model_facts,
     remove_stale_staging,
@@ -227,6 +228,13 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         calibration = data.calibration[variant.name]
         graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
         check_finite(graph, calibration, variant.name)
+    if variant.target == "onnxruntime" and variant.fuse:
+        graph, packed = pack(graph, work / "packed")
+        optimized["rules"][pack_matmuls.NAME] = packed
+        if packed:
+            log.note(f"pack_matmuls: {packed} MatMuls joined their siblings (q/k/v, gate/up), {graph.node_count} nodes")
+        else:
+            optimized["unmatched"][pack_matmuls.NAME] = "no two MatMuls read one activation with weights of their own"
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
     gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)

@@ -192,24 +192,12 @@ def _int8_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.nd
 
 def _encode_int8_grid(model: Any, weights: dict[str, np.ndarray], block_size: int) -> None:
     """Replace each MatMul in `weights` with MatMulNBits over its own int8 grid (accuracy_level 4)."""
-    from onnx import helper, numpy_helper
+    from .gptq import replace_with_nbits
 
-    graph = model.graph
     for name, weight in weights.items():
-        node = next(n for n in graph.node if n.name == name)
+        node = next(n for n in model.graph.node if n.name == name)
         codes, scales = _int8_blocks(weight, block_size)
-        prefix = node.input[1]
-        graph.initializer.extend([numpy_helper.from_array(codes, prefix + "_Q8G"),
-                                  numpy_helper.from_array(scales.reshape(-1), prefix + "_scales_Q8G")])
-        fused = helper.make_node("MatMulNBits", [node.input[0], prefix + "_Q8G", prefix + "_scales_Q8G"],
-                                 list(node.output), name=name + "_Q8G", domain="com.microsoft",
-                                 K=weight.shape[0], N=weight.shape[1], bits=8, block_size=block_size,
-                                 accuracy_level=4)
-        index = list(graph.node).index(node)
-        graph.node.remove(node)
-        graph.node.insert(index, fused)
-        if not any(prefix in n.input for n in graph.node):
-            graph.initializer.remove(next(i for i in graph.initializer if i.name == prefix))
+        replace_with_nbits(model.graph, node, codes, scales, np.full(scales.shape, 128, np.uint8), 8, block_size)
 
 
 QUANTIZERS: dict[tuple[str, str | None], Callable[..., dict]] = {

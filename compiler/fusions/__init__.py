@@ -4,6 +4,10 @@
 The optimize stage (compiler/optimize.py) runs the rules its target lists, in order, and reports
 `{rule: count}` and, for each rule that matched nothing, why (the rule's own reason, else the
 pattern it looks for). A rule that finds nothing it knows leaves the graph unchanged.
+
+pack_matmuls is the exception: it runs on a variant's finished graph, after quantization (the
+pipeline calls compiler.optimize.pack), so that each layer's precision is decided before layers
+are joined.
 """
 
 from __future__ import annotations
