@@ -144,7 +144,7 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     }
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        with _quiet(debug), torch.no_grad():
+        with _quiet(debug), torch.no_grad(), small_constants_kept():
             program = torch.onnx.export(
                 wrapper,
                 sample_inputs(shapes, batch=2, seq=3, past=4),
@@ -187,6 +187,28 @@ def finish_model_file(path: Path) -> int:
     if all(onnx.defs.has(node.op_type, node.domain) for node in proto.graph.node):
         onnx.checker.check_model(str(path))
     return len(proto.graph.node)
+
+
+@contextlib.contextmanager
+def small_constants_kept():
+    """onnxscript's optimizer (the exporter's, and the optimize stage's) without its `x + 0` / `x - 0`
+    rules: they match any constant within 1e-8 of zero, so an RMSNorm epsilon of 1e-8 (Helium's)
+    vanished and a zero embedding row (a padding_idx) came out NaN. The rest runs as it is."""
+    try:
+        from onnxscript import rewriter
+        from onnxscript.rewriter.rules.common import _no_op
+
+        default = rewriter._DEFAULT_REWRITE_RULES
+        zero_ops = [r for r in _no_op.rules.rules
+                    if [n.op_type for n in r._target_pattern._nodes] in (["Add"], ["Sub"])]
+    except (ImportError, AttributeError):  # another onnxscript: its rules as they are (validation still checks)
+        yield
+        return
+    rewriter._DEFAULT_REWRITE_RULES = tuple(r for r in default if not any(r is z for z in zero_ops))
+    try:
+        yield
+    finally:
+        rewriter._DEFAULT_REWRITE_RULES = default
 
 
 @contextlib.contextmanager

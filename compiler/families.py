@@ -84,19 +84,77 @@ def supported() -> str:
 
 
 def family_for(config: object) -> Family:
-    return family_named(getattr(config, "model_type", None))
+    """The row of a transformers config; for a model type the table lacks, the generic row where the
+    model class and config are of the standard kind (see generic_family)."""
+    model_type = getattr(config, "model_type", None)
+    family = family_named(model_type, config.to_dict() if hasattr(config, "to_dict") else None)
+    if model_type not in FAMILIES:
+        _check_standard_attention(model_type)
+    return family
 
 
-def family_named(model_type: str | None) -> Family:
-    """The row of a config's model_type; UnsupportedArchitecture naming it, and why, for any other."""
+def family_named(model_type: str | None, config: dict | None = None) -> Family:
+    """The row of a config's model_type; for another type with its config.json (`config`), the generic
+    row or UnsupportedArchitecture naming it and what is missing."""
     family = FAMILIES.get(model_type)
     if family is None:
-        raise UnsupportedArchitecture(
-            f"model type {model_type!r} is not supported; supported families: {supported()}"
-        )
+        return generic_family(model_type, config)
     if family.refused:
         raise UnsupportedArchitecture(f"model type {model_type!r} ({family.name}) is refused: {family.refused}")
     return family
+
+
+# What a decoder's config must hold for the graph interface to be read without a row (Shapes), and
+# the keys that mark a mixture of experts (whose dispatch does not export; see Mixtral's row).
+STANDARD_CONFIG_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size",
+                        "max_position_embeddings")
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
+ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
+
+
+def generic_family(model_type: str | None, config: dict | None) -> Family:
+    """A model type outside the table compiles as it is when its config is of the standard kind (the
+    shapes under transformers' usual names, attention layers only, no experts) and, checked once
+    transformers is loaded, its model class goes through AttentionInterface. The export validation
+    against eager and the fused-vs-unfused check then decide, as for every family."""
+    def refuse(why: str) -> UnsupportedArchitecture:
+        return UnsupportedArchitecture(f"model type {model_type!r} is not in Kiln's family table and {why}; "
+                                       f"supported families: {supported()}")
+
+    if model_type is None or config is None:
+        raise refuse("its config could not be read")
+    if config.get("is_encoder_decoder"):
+        raise refuse("it is an encoder-decoder model (Kiln compiles decoder-only language models)")
+    missing = [k for k in STANDARD_CONFIG_KEYS if not isinstance(config.get(k), int)]
+    if missing:
+        raise refuse(f"its config has no {', '.join(missing)} (a row in compiler/families.py says where it keeps "
+                     "them)")
+    if any(config.get(k) for k in EXPERT_KEYS):
+        raise refuse(f"it is a mixture of experts ({FAMILIES['mixtral'].refused.split(': ', 1)[1]})")
+    others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYER_TYPES)
+    if others:
+        raise refuse(f"its layers of type {', '.join(others)} hold no KV cache (only attention layers export)")
+    rotary = "rope_parameters" in config or "rope_theta" in config
+    return Family(model_type, positions="rotary" if rotary else "learned",
+                  notes="not in the table: compiled through transformers' attention interface")
+
+
+def _check_standard_attention(model_type: str) -> None:
+    """A generic family's model class must route attention through AttentionInterface (so the export
+    traces Kiln's grouped attention) and keep its KV in transformers' Cache classes."""
+    import transformers
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+    model_class = getattr(transformers, name, None) if name else None
+    if model_class is None:
+        raise UnsupportedArchitecture(f"model type {model_type!r} is not in Kiln's family table and transformers "
+                                      f"{transformers.__version__} has no causal language model for it")
+    if not getattr(model_class, "_supports_attention_backend", False):
+        raise UnsupportedArchitecture(
+            f"model type {model_type!r} is not in Kiln's family table and {name} does not go through "
+            "transformers' attention interface; it needs a row in compiler/families.py (attention=\"eager\") "
+            f"and a tiny model to validate it; supported families: {supported()}")
 
 
 @dataclass(frozen=True)

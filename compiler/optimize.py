@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportMismatch
-from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file
+from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file, small_constants_kept
 from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls
 from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
@@ -35,7 +35,8 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
 
     model = ir.load(str(exported.model_path))
     nodes_before = len(model.graph)
-    optimizer.optimize(model)
+    with small_constants_kept():
+        optimizer.optimize(model)
     rules, unmatched = {}, {}
     if target == "onnxruntime" and fuse:
         for rule in ONNXRUNTIME_RULES:

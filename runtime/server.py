@@ -186,10 +186,11 @@ class EngineLoop:
             except Exception as exc:  # a bug of ours: fail what is in flight, keep serving
                 traceback.print_exc()
                 events = self._fail_everything(f"internal error: {type(exc).__name__}: {exc}")
+            # Gauges first: a client that has its token and scrapes /metrics sees the step that made it.
+            self.metrics.gauges(self.engine.stats())
             now = time.perf_counter()
             for event in events:
                 self._deliver(event, now)
-            self.metrics.gauges(self.engine.stats())
 
     def _deliver(self, event: Event, now: float) -> None:
         subscriber = self._subscribers.get(event.request_id)

@@ -56,6 +56,12 @@ TINY_CONFIGS = {
 REFUSED_CONFIGS = {
     "mixtral": ("MixtralConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
 }
+# Model types with no row, compiled by the generic path (compiler/families.py generic_family): Helium
+# (interleaved rotary, RMSNorm epsilon 1e-8) and SmolLM3 (rotary skipped on some layers).
+GENERIC_CONFIGS = {
+    "helium": ("HeliumConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, pad_token_id=EOS)),
+    "smollm3": ("SmolLM3Config", dict(_BASE, num_key_value_heads=2, pad_token_id=EOS, no_rope_layer_interval=2)),
+}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -81,7 +87,7 @@ def build_tiny_checkpoint(family: str, folder: Path, seed: int = 0) -> Path:
     import torch
     import transformers
 
-    class_name, kwargs = {**TINY_CONFIGS, **REFUSED_CONFIGS}[family]
+    class_name, kwargs = {**TINY_CONFIGS, **REFUSED_CONFIGS, **GENERIC_CONFIGS}[family]
     config = getattr(transformers, class_name)(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, **kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()

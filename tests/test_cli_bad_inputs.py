@@ -54,7 +54,7 @@ ROWS = [
                                                                   "m.gguf": b"GGUF\x03\x00"}, 2, "truncated or corrupt"),
     ("unsupported family", ["compile-model", "{tmp}/r.yaml"], {
         "r.yaml": recipe("{tmp}/m"), "m/config.json": json.dumps({"model_type": "bert"})}, 2,
-     "model type 'bert' is not supported"),
+     "model type 'bert' is not in Kiln's family table"),
     ("max_context above the model's", ["compile-model", "{tmp}/r.yaml"], {"r.yaml": recipe(max_context=4096)}, 2,
      "4096 exceeds the model's max_position_embeddings 256"),
     ("--out over a foreign folder", ["compile-model", "{tmp}/r.yaml", "--out", "{tmp}/mine"],

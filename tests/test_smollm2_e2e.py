@@ -136,11 +136,11 @@ def test_memory_plan_holds_for_a_real_run(smollm2_artifact):
     measured = int(run.stdout.strip())
     manifest = Artifact.open(smollm2_artifact).manifest
     planned = variant_plan(manifest, manifest["variants"]["cpu-fp32"], batch=8, context=1024)
-    # Runs of this same command peak at 1.44 or 1.70 GiB (ONNX Runtime's pre-packed weights: with
-    # pre-packing off every run peaks at 1.44 GiB, 45% slower). The plan is 4% under the lower and 19%
-    # under the upper; the bound the runtime sizes batches by holds both.
+    # The target: the planned peak within 15% of the measured one (measured: 1.44 GiB, planned
+    # 1.38). Before keep_rows let go of each array as it copied it, growing the buffers to 1024 slots
+    # held both caches and runs peaked at 1.68 GiB. The bound the runtime sizes batches by holds it.
+    assert abs(planned.peak_bytes - measured) <= 0.15 * measured, (planned, measured)
     assert planned.bound_bytes >= measured, (planned, measured)
-    assert planned.peak_bytes <= 1.15 * measured, (planned, measured)
 
 
 def test_compare_reports_of_the_real_model(smollm2_artifact, tmp_path):

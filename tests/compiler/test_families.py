@@ -1,4 +1,5 @@
-"""The family table: every entry is tested, and anything outside it is refused with the list."""
+"""The family table: every entry is tested, and what is outside it and the generic path cannot take
+(tests/compiler/test_generic_family.py) is refused with the list."""
 
 from __future__ import annotations
 
@@ -42,7 +43,8 @@ def test_unknown_model_type_lists_supported():
     class Config:
         model_type = "bert"
 
-    with pytest.raises(UnsupportedArchitecture, match=r"'bert' is not supported; supported families: Llama \(llama\)"):
+    with pytest.raises(UnsupportedArchitecture,
+                       match=r"'bert' is not in Kiln's family table .*; supported families: Llama \(llama\)"):
         family_for(Config())
 
 
@@ -62,5 +64,6 @@ def test_supported_type_but_not_a_causal_lm(tiny_checkpoints, tmp_path):
 
 def test_causal_lm_of_a_family_we_do_not_support(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba", "architectures": ["MambaForCausalLM"]}))
-    with pytest.raises(UnsupportedArchitecture, match="'mamba' is not supported; supported families"):
+    with pytest.raises(UnsupportedArchitecture,
+                       match="'mamba' is not in Kiln's family table and its config has no num_attention_heads"):
         load_checkpoint(ModelSpec(source=str(tmp_path)))

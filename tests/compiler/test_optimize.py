@@ -34,10 +34,10 @@ EXPECTED_FUSIONS = {
     "qwen3": QK_NORM, "gemma2": {**QK_NORM, "gelu": 2},  # Gemma 2: pre- and post-norms around attention and MLP
     "olmo2": {**QK_NORM, "skip_rms_normalization": 1},  # post-norms: the residual Add comes after the norm
     # Parallel attention + MLP share one norm a layer (Phi, GPT-NeoX, Falcon); OLMo's LayerNorm has no
-    # weight, which the rule does not match; gelu_new (Phi, GPT-2) is neither GELU form the rules know.
-    "phi": layer_norm(2, 0), "gpt_neox": layer_norm(2, 2), "falcon": layer_norm(2, 2), "olmo": layer_norm(0, 0),
+    # weight and no bias; StableLM's MLP is SiLU-gated.
+    "phi": layer_norm(2, 2), "gpt_neox": layer_norm(2, 2), "falcon": layer_norm(2, 2), "olmo": layer_norm(4, 0),
     "stablelm": layer_norm(4, 0), "starcoder2": layer_norm(4, 2),
-    "gpt2": {**layer_norm(5, 0), "rotary_embedding": 0},  # the first pair: token + position embeddings, ln_1
+    "gpt2": {**layer_norm(5, 2), "rotary_embedding": 0},  # the first pair: token + position embeddings, ln_1
 }
 
 # MatMuls pack_matmuls removes (2 layers): q/k/v into one and gate/up into one is 3 a layer; Phi's

@@ -83,3 +83,46 @@ def test_erf_gelu_fuses_and_computes_the_same():
 def test_what_is_not_gelu_does_not_fuse(half):
     count, fused = _fused(_erf_gelu(half), layer_normalization.apply_gelu)
     assert count == 0 and "Gelu" not in [n.op_type for n in fused.graph.node]
+
+
+def test_layer_norm_without_bias_fuses_with_its_residual_add():
+    """OLMo's weightless LayerNorm: the exporter writes a scale of ones and no bias input."""
+    model = _model([helper.make_node("Add", ["a", "b"], ["sum"]),
+                    helper.make_node("LayerNormalization", ["sum", "w"], ["y"], epsilon=1e-5, axis=-1)],
+                   ["a", "b"], {"w": np.ones(HIDDEN, np.float32)})
+    count, fused = _fused(model, layer_normalization.apply_skip)
+    assert count == 1 and [n.op_type for n in fused.graph.node] == ["SkipLayerNormalization"]
+    feeds = _feeds("a", "b")
+    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
+def test_layer_norm_over_another_axis_does_not_fuse():
+    model = _model([helper.make_node("Add", ["a", "b"], ["sum"]),
+                    helper.make_node("LayerNormalization", ["sum", "w"], ["y"], epsilon=1e-5, axis=1)],
+                   ["a", "b"], {"w": np.ones((3, HIDDEN), np.float32)})
+    count, fused = _fused(model, layer_normalization.apply_skip)
+    assert count == 0 and "SkipLayerNormalization" not in [n.op_type for n in fused.graph.node]
+
+
+def _gelu_new(cube: float) -> onnx.ModelProto:
+    """transformers' gelu_new as the exporter writes it: (0.5 x) * (1 + tanh(sqrt(2/pi) (x + 0.044715 x^cube)))."""
+    return _model([helper.make_node("Mul", ["a", "half"], ["h"]), helper.make_node("Pow", ["a", "cube"], ["p"]),
+                   helper.make_node("Mul", ["p", "k"], ["pk"]), helper.make_node("Add", ["a", "pk"], ["s"]),
+                   helper.make_node("Mul", ["s", "c"], ["sc"]), helper.make_node("Tanh", ["sc"], ["t"]),
+                   helper.make_node("Add", ["t", "one"], ["t1"]), helper.make_node("Mul", ["h", "t1"], ["y"])], ["a"],
+                  {"half": np.array(0.5, np.float32), "cube": np.array(cube, np.float32),
+                   "k": np.array(0.044715, np.float32), "c": np.array(np.sqrt(2 / np.pi), np.float32),
+                   "one": np.array(1, np.float32)})
+
+
+def test_gelu_new_fuses_to_fast_gelu_and_computes_the_same():
+    model = _gelu_new(3.0)
+    count, fused = _fused(model, layer_normalization.apply_gelu)
+    assert count == 1 and [n.op_type for n in fused.graph.node] == ["FastGelu"]
+    feeds = _feeds("a")
+    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
+def test_a_tanh_chain_with_another_power_does_not_fuse():
+    count, fused = _fused(_gelu_new(2.0), layer_normalization.apply_gelu)
+    assert count == 0 and "FastGelu" not in [n.op_type for n in fused.graph.node]

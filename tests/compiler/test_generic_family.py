@@ -1,0 +1,59 @@
+"""A model type outside the family table compiles through the generic path when its transformers
+model is of the standard kind, and is refused, naming what is missing, when it is not."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from compiler.errors import UnsupportedArchitecture
+from compiler.families import FAMILIES, family_for
+from runtime.generator import Generator
+from runtime.sampling import SamplingParams
+from tests.conftest import GENERIC_CONFIGS, build_tiny_checkpoint, write_recipe
+from tests.runtime.test_generator import PROMPTS, _eager_greedy
+
+# Helium's rotary is interleaved, which the rotary rule does not match (GroupQueryAttention then takes
+# rotated q/k); its RMSNorm epsilon is 1e-8, which onnxscript's optimizer used to drop (no RMSNorm
+# matched, and a zero embedding row gave NaN). SmolLM3 rotates every other layer only.
+EXPECTED_FUSIONS = {
+    "helium": {"rotary_embedding": 0, "group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
+    "smollm3": {"rotary_embedding": 2, "group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
+}
+
+
+@pytest.mark.parametrize("model_type", sorted(GENERIC_CONFIGS))
+def test_a_model_type_without_a_row_compiles_and_generates_as_transformers(model_type, tmp_path):
+    from compiler.pipeline import compile_recipe
+
+    assert model_type not in FAMILIES
+    checkpoint = build_tiny_checkpoint(model_type, tmp_path / "checkpoint")
+    artifact = compile_recipe(write_recipe(tmp_path / "recipe.yaml", checkpoint, name=model_type), tmp_path / "out")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    assert manifest["model"]["family"] == model_type
+    fused = manifest["variants"]["cpu-fp32"]
+    # validated against eager and against the unfused graph by the compile itself
+    assert {rule: fused["fusions"][rule] for rule in EXPECTED_FUSIONS[model_type]} == EXPECTED_FUSIONS[model_type]
+    generator = Generator.load(artifact, max_batch_size=8)
+    # the last prompt holds token 0, whose embedding row is zero (padding_idx): an RMSNorm without its
+    # epsilon turns it into NaN
+    prompt_ids = [generator.encode(p) for p in PROMPTS] + [[5, 0, 7, 9]]
+    batched = generator.generate(prompt_ids, SamplingParams(max_new_tokens=16))
+    assert [r.token_ids for r in batched] == _eager_greedy(checkpoint, prompt_ids, 16, eos=0)
+
+
+@pytest.mark.parametrize("model_type, overrides, why", [
+    ("mamba", {}, "its config has no num_attention_heads"),
+    ("qwen3_moe", {}, "it is a mixture of experts (torch.onnx cannot translate the data-dependent expert"),
+    ("lfm2", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "its layers of type conv hold no KV cache"),
+    ("roformer", {"is_decoder": True}, "RoFormerForCausalLM does not go through transformers' attention interface"),
+    ("t5", {}, "it is an encoder-decoder model"),
+])
+def test_a_model_type_the_generic_path_cannot_take_is_refused_with_what_is_missing(model_type, overrides, why):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, **overrides)
+    with pytest.raises(UnsupportedArchitecture, match=f"model type '{model_type}' is not in Kiln's family table") as e:
+        family_for(config)
+    assert why in str(e.value)
