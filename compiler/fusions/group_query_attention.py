@@ -57,6 +57,7 @@ def apply(model: Any, shapes: Any) -> int | tuple[int, str]:
     shared = _mask_inputs(graph)
     for layer, anchors in enumerate(found):
         _fuse_layer(graph, outputs, layer, anchors, shared, shapes)
+    _last_token_of_each_row(graph, shared["row_end"])
     model.opset_imports.setdefault("com.microsoft", 1)
     RemoveUnusedNodesPass()(model)
     TopologicalSortPass()(model)
@@ -236,7 +237,48 @@ def _mask_inputs(graph: Any) -> dict[str, Any]:
     _carry_types(tape.nodes)
     first = graph.node(0)
     graph.insert_before(first, tape.nodes)
-    return {"seqlens_k": seqlens_k, "total_length": total_length, "bias": bias}
+    return {"seqlens_k": seqlens_k, "total_length": total_length, "bias": bias, "row_end": last_unmasked}
+
+
+def _last_token_of_each_row(graph: Any, row_end: Any) -> bool:
+    """`logits: last` exports Slice(hidden, -1:) on the sequence axis: the last column, which is every
+    row's last token only when rows are left-padded. onnxruntime-genai feeds a batch of prompts
+    right-padded, rows from slot 0 (measured on the tiny Llama: its shorter rows' tokens were wrong
+    with the Slice); each row's last token is then at min(seq, row_end + 1) - 1, which is seq - 1
+    for left-padded rows and for decode steps, so one GatherND at that index reads both layouts.
+    False (and the graph unchanged) when there is no such Slice (`logits: all`)."""
+    import onnx_ir as ir
+
+    logits = next((v for v in graph.outputs if v.name == "logits"), None)
+    node = logits.producer() if logits is not None else None
+    while node is not None and node.op_type != "Slice" and node.inputs:
+        node = node.inputs[0].producer()
+    if node is None or node.op_type != "Slice" or not _is_last_position(node):
+        return False
+    tape = ir.tape.Tape()
+    ids = next(v for v in graph.inputs if v.name == "input_ids")
+    one = tape.op("Constant", [], {"value": ir.tensor(np.array(1, np.int64), name="one_row_end")})
+    seq = tape.op("Shape", [ids], {"start": 1, "end": 2})
+    last = tape.op("Sub", [tape.op("Min", [tape.op("Add", [row_end, one]), seq]), one])
+    axis = tape.op("Constant", [], {"value": ir.tensor(np.array([1], np.int64), name="row_axis")})
+    picked = tape.op("GatherND", [node.inputs[0], tape.op("Unsqueeze", [last, axis])], {"batch_dims": 1})
+    kept = tape.op("Unsqueeze", [picked, axis])
+    _carry_types(tape.nodes)
+    kept.shape = node.outputs[0].shape
+    graph.insert_before(node, tape.nodes)
+    ir.convenience.replace_all_uses_with(node.outputs[0], kept)
+    return True
+
+
+def _is_last_position(node: Any) -> bool:
+    """Slice(x, starts=[-1], ends=[any], axes=[1]), steps 1 or absent."""
+    def ints(index: int) -> list[int] | None:
+        value = node.inputs[index] if len(node.inputs) > index else None
+        tensor = value.const_value if value is not None else None
+        return None if tensor is None else [int(x) for x in np.asarray(tensor.numpy()).ravel()]
+
+    steps = ints(4) if len(node.inputs) > 4 and node.inputs[4] is not None else [1]
+    return ints(1) == [-1] and ints(3) == [1] and steps == [1]
 
 
 def _fuse_layer(graph: Any, outputs: dict[str, int], layer: int, anchors: dict[str, Any], shared: dict[str, Any],

@@ -42,6 +42,40 @@ def test_genai_opens_each_variant_folder_with_kilns_greedy_tokens(tiny_artifacts
         assert genai_greedy(artifact / "variants" / variant, prompts, NEW_TOKENS) == kiln, variant
 
 
+def test_genai_batch_of_prompts_of_different_lengths_gets_each_rows_own_tokens(tiny_artifacts, tiny_checkpoints,
+                                                                             family):
+    """onnxruntime-genai feeds a batch right-padded; a `logits: last` graph must give each row its own
+    last token's logits, not the last column's (which is a pad in the shorter rows). Sliding-window
+    families are left out: genai's decode steps keep a shorter row's pads between its prompt and its
+    new tokens, inside the window's slots (a known limit, README: Interop)."""
+    import numpy as np
+    import onnxruntime_genai as og
+
+    folder = tiny_artifacts[family] / "variants" / "cpu-fp32"
+    from transformers import AutoConfig
+
+    from compiler.families import shapes_of
+
+    if shapes_of(AutoConfig.from_pretrained(tiny_checkpoints[family])).sliding_window:
+        return
+    generator = Generator.load(tiny_artifacts[family], "cpu-fp32")
+    prompts = [generator.encode(p) for p in PROMPTS]
+    alone = [r.token_ids for r in generator.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))]
+    width = max(map(len, prompts))
+    params = og.GeneratorParams(model := og.Model(str(folder)))
+    params.set_search_options(max_length=width + NEW_TOKENS, do_sample=False, batch_size=len(prompts))
+    batch = og.Generator(model, params)
+    pad = json.loads((folder / "genai_config.json").read_text())["model"]["pad_token_id"]  # genai masks by it
+    batch.append_tokens(np.array([p + [pad] * (width - len(p)) for p in prompts], np.int32))
+    tokens = [[] for _ in prompts]
+    for _ in range(NEW_TOKENS):
+        batch.generate_next_token()
+        for row, token in enumerate(batch.get_next_tokens()):
+            if not tokens[row] or tokens[row][-1] != 0:  # after EOS (0) a row only repeats it
+                tokens[row].append(int(token))
+    assert tokens == alone
+
+
 def test_sidecars_are_listed_hashed_and_read_by_transformers(tiny_artifacts, tiny_checkpoints, family):
     from transformers import AutoConfig, AutoTokenizer
 
