@@ -189,6 +189,22 @@ def finish_model_file(path: Path) -> int:
     return len(proto.graph.node)
 
 
+def save_proto(proto: Any, folder: Path, external: bool, name: str = MODEL_FILE) -> list[str]:
+    """An onnx ModelProto as folder/name, its weights beside it in name.data when `external`; the files
+    written (before finish_model_file)."""
+    import onnx
+
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / name
+    data = path.with_name(name + ".data")
+    data.unlink(missing_ok=True)  # onnx appends to an existing data file
+    if external:
+        onnx.save(proto, str(path), save_as_external_data=True, location=data.name)
+    else:
+        onnx.save(proto, str(path))
+    return [name] + ([data.name] if external else [])
+
+
 @contextlib.contextmanager
 def small_constants_kept():
     """onnxscript's optimizer (the exporter's, and the optimize stage's) without its `x + 0` / `x - 0`

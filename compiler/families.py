@@ -48,6 +48,10 @@ def falcon_cache_heads(config: Any) -> int:
     return 1 if config.multi_query else config.num_kv_heads
 
 
+# Why a mixture of experts is refused, with a row (Mixtral) or without (generic_family).
+EXPERT_DISPATCH = ("torch.onnx cannot translate the data-dependent expert dispatch (nonzero over the router's "
+                   "top-k) to ONNX")
+
 # What differs between families that the export and the fusions must know is read from the config
 # (head_dim, layer_types for sliding windows, attention scaling and soft-caps come through the
 # traced graph itself); a row records only what the config does not say.
@@ -73,9 +77,7 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family("Starcoder2", notes="sliding window, LayerNorm, GELU MLP with bias"),
     # GPT-2: fused c_attn Conv1D, learned position table, LayerNorm + GELU; multi-head KV.
     "gpt2": Family("GPT-2", positions="learned", kv_heads_attrs=("n_head",), attention="eager"),
-    "mixtral": Family("Mixtral", refused="its mixture-of-experts routing does not export: torch.onnx cannot "
-                                         "translate the data-dependent expert dispatch (nonzero over the router's "
-                                         "top-k) to ONNX"),
+    "mixtral": Family("Mixtral", refused=f"its mixture-of-experts routing does not export: {EXPERT_DISPATCH}"),
 }
 
 
@@ -130,7 +132,7 @@ def generic_family(model_type: str | None, config: dict | None) -> Family:
         raise refuse(f"its config has no {', '.join(missing)} (a row in compiler/families.py says where it keeps "
                      "them)")
     if any(config.get(k) for k in EXPERT_KEYS):
-        raise refuse(f"it is a mixture of experts ({FAMILIES['mixtral'].refused.split(': ', 1)[1]})")
+        raise refuse(f"it is a mixture of experts ({EXPERT_DISPATCH})")
     others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYER_TYPES)
     if others:
         raise refuse(f"its layers of type {', '.join(others)} hold no KV cache (only attention layers export)")

@@ -22,7 +22,14 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportMismatch
-from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file, small_constants_kept
+from .export import (
+    EXTERNAL_DATA_THRESHOLD,
+    MODEL_FILE,
+    OnnxArtifact,
+    finish_model_file,
+    save_proto,
+    small_constants_kept,
+)
 from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls
 from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
@@ -106,16 +113,10 @@ def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
     removed = pack_matmuls.apply(proto)
     if not removed:
         return graph, 0
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / MODEL_FILE
     external = len(graph.files) > 1 or proto.ByteSize() >= EXTERNAL_DATA_THRESHOLD  # keep the graph's choice
-    if external:
-        onnx.save(proto, str(path), save_as_external_data=True, location=MODEL_FILE + ".data")
-    else:
-        onnx.save(proto, str(path))
+    files = save_proto(proto, folder, external)
     del proto
-    node_count = finish_model_file(path)
-    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if external else [])
+    node_count = finish_model_file(folder / MODEL_FILE)
     return OnnxArtifact(folder, graph.interface, graph.shapes, node_count, files), removed
 
 

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportError
-from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file
+from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file, save_proto
 from .recipe import Variant
 
 # Kept in fp32 by the fp16 conversion: reductions and exponentials whose range or rounding fp16
@@ -260,16 +260,7 @@ def _needs_external(proto: Any) -> bool:
 
 
 def _save(proto: Any, folder: Path, name: str = MODEL_FILE) -> None:
-    import onnx
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / name
-    data = path.with_name(name + ".data")
-    data.unlink(missing_ok=True)  # onnx appends to an existing data file
-    if _needs_external(proto):
-        onnx.save(proto, str(path), save_as_external_data=True, location=data.name)
-    else:
-        onnx.save(proto, str(path))
+    save_proto(proto, folder, _needs_external(proto), name)
 
 
 def _finish(folder: Path, source: OnnxArtifact, interface: dict) -> OnnxArtifact:

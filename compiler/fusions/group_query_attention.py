@@ -240,13 +240,13 @@ def _mask_inputs(graph: Any) -> dict[str, Any]:
     return {"seqlens_k": seqlens_k, "total_length": total_length, "bias": bias, "row_end": last_unmasked}
 
 
-def _last_token_of_each_row(graph: Any, row_end: Any) -> bool:
+def _last_token_of_each_row(graph: Any, row_end: Any) -> None:
     """`logits: last` exports Slice(hidden, -1:) on the sequence axis: the last column, which is every
     row's last token only when rows are left-padded. onnxruntime-genai feeds a batch of prompts
     right-padded, rows from slot 0 (measured on the tiny Llama: its shorter rows' tokens were wrong
     with the Slice); each row's last token is then at min(seq, row_end + 1) - 1, which is seq - 1
     for left-padded rows and for decode steps, so one GatherND at that index reads both layouts.
-    False (and the graph unchanged) when there is no such Slice (`logits: all`)."""
+    Without such a Slice (`logits: all`) the graph stays as it is."""
     import onnx_ir as ir
 
     logits = next((v for v in graph.outputs if v.name == "logits"), None)
@@ -254,7 +254,7 @@ def _last_token_of_each_row(graph: Any, row_end: Any) -> bool:
     while node is not None and node.op_type != "Slice" and node.inputs:
         node = node.inputs[0].producer()
     if node is None or node.op_type != "Slice" or not _is_last_position(node):
-        return False
+        return
     tape = ir.tape.Tape()
     ids = next(v for v in graph.inputs if v.name == "input_ids")
     one = tape.op("Constant", [], {"value": ir.tensor(np.array(1, np.int64), name="one_row_end")})
@@ -267,7 +267,6 @@ def _last_token_of_each_row(graph: Any, row_end: Any) -> bool:
     kept.shape = node.outputs[0].shape
     graph.insert_before(node, tape.nodes)
     ir.convenience.replace_all_uses_with(node.outputs[0], kept)
-    return True
 
 
 def _is_last_position(node: Any) -> bool:

@@ -14,6 +14,7 @@ rules do not match (below). The fused graph is then checked against the unfused 
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -34,13 +35,9 @@ def apply_gelu(model: Any, shapes: Any) -> int:
     return int(fuse_erfgelu(model)) + int(fuse_gelu(model)) + int(_ours()["gelu_new"].apply_to_model(model))
 
 
-_RULES: dict[str, Any] = {}
-
-
+@functools.cache
 def _ours() -> dict[str, Any]:
     """The two rules of ours, built on first use (onnxscript is a compiler-only dependency)."""
-    if _RULES:
-        return _RULES
     from onnxscript.rewriter import _fusion_utils, pattern
 
     class SkipLayerNormWithoutBeta(pattern.RewriteRuleClassBase):
@@ -79,6 +76,5 @@ def _ours() -> dict[str, Any]:
         def rewrite(self, op, x):
             return op.FastGelu(x, _domain="com.microsoft")
 
-    _RULES["skip_without_beta"] = pattern.RewriteRuleSet([SkipLayerNormWithoutBeta.rule()], commute=True)
-    _RULES["gelu_new"] = pattern.RewriteRuleSet([GeluNew.rule()], commute=True)
-    return _RULES
+    return {"skip_without_beta": pattern.RewriteRuleSet([SkipLayerNormWithoutBeta.rule()], commute=True),
+            "gelu_new": pattern.RewriteRuleSet([GeluNew.rule()], commute=True)}

@@ -40,6 +40,14 @@ def _feeds(*names):
     return {n: rng.standard_normal((2, 3, HIDDEN)).astype(np.float32) for n in names}
 
 
+def _fuses_into(model: onnx.ModelProto, apply, op_type: str, *inputs: str) -> None:
+    """`apply` fuses the whole graph into one `op_type` node, which computes what the graph did."""
+    count, fused = _fused(model, apply)
+    assert count == 1 and [n.op_type for n in fused.graph.node] == [op_type]
+    feeds = _feeds(*inputs)
+    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+
+
 WEIGHTS = {"w": np.linspace(0.5, 1.5, HIDDEN, dtype=np.float32), "bias": np.linspace(-0.1, 0.1, HIDDEN,
                                                                                         dtype=np.float32)}
 
@@ -48,10 +56,7 @@ def test_residual_add_and_layer_norm_fuse():
     model = _model([helper.make_node("Add", ["a", "b"], ["sum"]),
                     helper.make_node("LayerNormalization", ["sum", "w", "bias"], ["y"], epsilon=1e-5, axis=-1)],
                    ["a", "b"], WEIGHTS)
-    count, fused = _fused(model, layer_normalization.apply_skip)
-    assert count == 1 and [n.op_type for n in fused.graph.node] == ["SkipLayerNormalization"]
-    feeds = _feeds("a", "b")
-    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+    _fuses_into(model, layer_normalization.apply_skip, "SkipLayerNormalization", "a", "b")
 
 
 def test_layer_norm_without_a_residual_add_does_not_fuse():
@@ -73,10 +78,7 @@ def _erf_gelu(half: float) -> onnx.ModelProto:
 
 def test_erf_gelu_fuses_and_computes_the_same():
     model = _erf_gelu(0.5)
-    count, fused = _fused(model, layer_normalization.apply_gelu)
-    assert count == 1 and [n.op_type for n in fused.graph.node] == ["Gelu"]
-    feeds = _feeds("a")
-    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+    _fuses_into(model, layer_normalization.apply_gelu, "Gelu", "a")
 
 
 @pytest.mark.parametrize("half", [0.6])
@@ -90,10 +92,7 @@ def test_layer_norm_without_bias_fuses_with_its_residual_add():
     model = _model([helper.make_node("Add", ["a", "b"], ["sum"]),
                     helper.make_node("LayerNormalization", ["sum", "w"], ["y"], epsilon=1e-5, axis=-1)],
                    ["a", "b"], {"w": np.ones(HIDDEN, np.float32)})
-    count, fused = _fused(model, layer_normalization.apply_skip)
-    assert count == 1 and [n.op_type for n in fused.graph.node] == ["SkipLayerNormalization"]
-    feeds = _feeds("a", "b")
-    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+    _fuses_into(model, layer_normalization.apply_skip, "SkipLayerNormalization", "a", "b")
 
 
 def test_layer_norm_over_another_axis_does_not_fuse():
@@ -117,10 +116,7 @@ def _gelu_new(cube: float) -> onnx.ModelProto:
 
 def test_gelu_new_fuses_to_fast_gelu_and_computes_the_same():
     model = _gelu_new(3.0)
-    count, fused = _fused(model, layer_normalization.apply_gelu)
-    assert count == 1 and [n.op_type for n in fused.graph.node] == ["FastGelu"]
-    feeds = _feeds("a")
-    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+    _fuses_into(model, layer_normalization.apply_gelu, "FastGelu", "a")
 
 
 def test_a_tanh_chain_with_another_power_does_not_fuse():

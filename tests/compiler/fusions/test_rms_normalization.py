@@ -7,7 +7,7 @@ import numpy as np
 from onnx import helper
 
 from compiler.fusions import rms_normalization
-from tests.compiler.fusions.test_layer_normalization import HIDDEN, _feeds, _fused, _model, _run
+from tests.compiler.fusions.test_layer_normalization import HIDDEN, _feeds, _fused, _fuses_into, _model, _run
 
 WEIGHT = {"w": np.linspace(0.5, 1.5, HIDDEN, dtype=np.float32), "two": np.array(2, np.float32),
           "eps": np.array(1e-6, np.float32)}
@@ -27,10 +27,7 @@ def _weights(axis: int) -> dict:
 
 def test_rms_norm_fuses_and_computes_the_same():
     model = _model(_rms("a", -1), ["a"], _weights(-1))
-    count, fused = _fused(model, rms_normalization.apply)
-    assert count == 1 and [n.op_type for n in fused.graph.node] == ["SimplifiedLayerNormalization"]
-    feeds = _feeds("a")
-    np.testing.assert_allclose(_run(fused, feeds), _run(model, feeds), atol=1e-5)
+    _fuses_into(model, rms_normalization.apply, "SimplifiedLayerNormalization", "a")
 
 
 def test_residual_add_and_rms_norm_fuse():
