@@ -42,10 +42,16 @@ def perplexity(logits: Sequence[np.ndarray], targets: Sequence[Sequence[int]]) -
 
 
 def agreement(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray]) -> dict[str, float]:
-    ref, out = np.concatenate(reference), np.concatenate(candidate)
-    error = np.abs(out - ref)
-    return {"top1_agreement": float((ref.argmax(-1) == out.argmax(-1)).mean()),
-            "max_logit_error": float(error.max()), "mean_logit_error": float(error.mean())}
+    # Row by row: the rows' logits side by side would be a third and fourth copy of them all.
+    agree = positions = 0
+    worst, total = 0.0, 0.0
+    for ref, out in zip(reference, candidate, strict=True):
+        error = np.abs(out - ref)
+        agree += int((ref.argmax(-1) == out.argmax(-1)).sum())
+        positions += len(ref)
+        worst, total = max(worst, float(error.max())), total + float(error.sum(dtype=np.float64))
+    return {"top1_agreement": agree / positions, "max_logit_error": worst,
+            "mean_logit_error": total / (positions * reference[0].shape[-1])}
 
 
 def kl_divergence(reference: np.ndarray, candidate: np.ndarray) -> np.ndarray:
@@ -81,17 +87,23 @@ class Inputs:
     pad_id: int
 
 
-def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int) -> list[np.ndarray]:
-    """Logits at every position of every row, [len(row), vocab], one decode step per column."""
+def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int, last: int | None = None) -> list[np.ndarray]:
+    """Logits at every position of every row, [len(row), vocab], one decode step per column; with
+    `last`, at each row's last `last` positions only (rows are at least that long)."""
     ids, mask = left_padded(rows, pad_id)
     width = ids.shape[1]
+    kept = width if last is None else last
     cache = backend.new_cache(len(rows), width)
-    steps = []
+    stacked = None  # [rows, kept, vocab], written step by step: one copy of the logits, not two
     for t in range(width):
         positions = np.clip(mask[:, :t + 1].sum(-1, keepdims=True) - 1, 0, None)
         logits, cache = backend.run(ids[:, t:t + 1], mask[:, :t + 1], positions, cache)
-        steps.append(logits[:, -1])
-    stacked = np.stack(steps, axis=1)  # [rows, width, vocab]
+        if stacked is None:
+            stacked = np.empty((len(rows), kept, logits.shape[-1]), logits.dtype)
+        if t >= width - kept:
+            stacked[:, t - (width - kept)] = logits[:, -1]
+    if last is not None:
+        return list(stacked)
     return [stacked[i, width - len(row):] for i, row in enumerate(rows)]
 
 
@@ -153,9 +165,10 @@ def side_by_side_seconds(backends: Sequence[Any], inputs: Inputs, repeats: int) 
 
 def _continuation_logits(backend: Any, inputs: Inputs, continuations: list[list[int]]) -> list[np.ndarray]:
     rows = [p + c for p, c in zip(inputs.prompts, continuations, strict=True)]
-    logits = teacher_forced(backend, rows, inputs.pad_id)
     # Position len(prompt) - 1 predicts the first new token; the last position predicts nothing we keep.
-    return [lg[len(p) - 1:-1] for lg, p in zip(logits, inputs.prompts, strict=True)]
+    # Only those positions are kept: the prompts' own logits are over as many again.
+    logits = teacher_forced(backend, rows, inputs.pad_id, last=inputs.new_tokens + 1)
+    return [lg[:-1] for lg in logits]
 
 
 def measure(backend: Any, inputs: Inputs, reference: Run) -> dict[str, Any]:
@@ -218,15 +231,23 @@ def _prompt_metrics(reference: Run, candidate: Run, i: int) -> dict[str, Any]:
 
 
 def _position_metrics(reference: Run, candidate: Run) -> dict[str, list[float]]:
-    """Across prompts, at each position of the reference continuation (teacher-forced)."""
-    ref, out = np.stack(reference.continuation_logits), np.stack(candidate.continuation_logits)  # [p, n, vocab]
+    """Across prompts, at each position of the reference continuation (teacher-forced); a prompt at a
+    time, not the prompts' logits stacked (two more copies of them)."""
+    pairs = zip(reference.continuation_logits, candidate.continuation_logits, strict=True)  # [n, vocab] each
+    agree, mean_error, max_error, kl = [], [], [], []
+    for ref, out in pairs:
+        error = np.abs(out - ref)
+        agree.append(ref.argmax(-1) == out.argmax(-1))
+        mean_error.append(error.mean(-1))
+        max_error.append(error.max(-1))
+        kl.append(kl_divergence(ref, out))
     diverged = np.array([[a != b for a, b in zip(r, c, strict=True)]
                          for r, c in zip(reference.continuations, candidate.continuations, strict=True)])
     return {
-        "top1_agreement": (ref.argmax(-1) == out.argmax(-1)).mean(0).tolist(),
-        "mean_logit_error": np.abs(out - ref).mean((0, 2)).tolist(),
-        "max_logit_error": np.abs(out - ref).max((0, 2)).tolist(),
-        "kl_divergence": np.stack([kl_divergence(r, o) for r, o in zip(ref, out, strict=True)]).mean(0).tolist(),
+        "top1_agreement": np.mean(agree, axis=0).tolist(),
+        "mean_logit_error": np.mean(mean_error, axis=0).tolist(),
+        "max_logit_error": np.max(max_error, axis=0).tolist(),
+        "kl_divergence": np.mean(kl, axis=0).tolist(),
         # share of prompts whose own greedy run has parted from the reference at or before this position
         "diverged": np.maximum.accumulate(diverged, axis=1).mean(0).tolist(),
     }

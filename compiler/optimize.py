@@ -23,11 +23,11 @@ import numpy as np
 
 from .errors import ExportMismatch
 from .export import (
-    EXTERNAL_DATA_THRESHOLD,
     MODEL_FILE,
     OnnxArtifact,
     finish_model_file,
-    save_proto,
+    forget_matched_graphs,
+    save_model,
     small_constants_kept,
 )
 from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls
@@ -64,6 +64,7 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
     if target == "tensorrt":
         report["tensorrt_check"] = check_tensorrt_graph(model)
     del model  # the in-memory graph (its weights included) before the check's sessions load theirs
+    forget_matched_graphs()  # the fusion rules' matchers hold it too
     release_freed_memory()
     report["check"] = compare_graphs(exported, optimized)
     return optimized, report
@@ -90,34 +91,23 @@ def _op_counts(model: Any) -> Counter:
 
 
 def _save(model: Any, exported: OnnxArtifact, interface: dict[str, Any], folder: Path) -> OnnxArtifact:
-    import onnx_ir as ir
-
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / MODEL_FILE
-    weight_bytes = sum(v.const_value.nbytes for v in model.graph.initializers.values() if v.const_value is not None)
-    external = weight_bytes >= EXTERNAL_DATA_THRESHOLD or len(exported.files) > 1  # keep the export's choice
-    if not external:
-        ir.external_data.load_to_model(model)  # else the saved graph would point at the export's data file
-    ir.save(model, str(path), external_data=MODEL_FILE + ".data" if external else None)
-    node_count = finish_model_file(path)
-    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if external else [])
-    return OnnxArtifact(folder, interface, exported.shapes, node_count, files)
+    files = save_model(model, folder)
+    return OnnxArtifact(folder, interface, exported.shapes, finish_model_file(folder / MODEL_FILE), files)
 
 
 def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
     """The pack_matmuls rule on a variant's finished graph (after quantize, so that each layer's
     precision is decided first): the packed graph in `folder`, and how many MatMuls it removed."""
-    import onnx
+    import onnx_ir as ir
 
-    proto = onnx.load(str(graph.model_path))
-    removed = pack_matmuls.apply(proto)
+    model = ir.load(str(graph.model_path))  # weights stay on disk until the save copies them over
+    removed = pack_matmuls.apply(model)
     if not removed:
         return graph, 0
-    external = len(graph.files) > 1 or proto.ByteSize() >= EXTERNAL_DATA_THRESHOLD  # keep the graph's choice
-    files = save_proto(proto, folder, external)
-    del proto
-    node_count = finish_model_file(folder / MODEL_FILE)
-    return OnnxArtifact(folder, graph.interface, graph.shapes, node_count, files), removed
+    files = save_model(model, folder)
+    del model
+    forget_matched_graphs()
+    return OnnxArtifact(folder, graph.interface, graph.shapes, finish_model_file(folder / MODEL_FILE), files), removed
 
 
 # -- the numerical check: the runtime's backend on both graphs ------------------------------------
@@ -146,6 +136,8 @@ def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int =
             errors.append((float(np.abs(out - ref)[real].max()), float(np.abs(ref[real]).max())))
             agree.append((out.argmax(-1) == ref.argmax(-1))[real])
     backend.close()
+    del cache
+    release_freed_memory()  # a closed session's memory goes back to the C heap, and stays there untrimmed
     worst_abs = max(e for e, _ in errors)
     relative = max(e / max(scale, 1e-12) for e, scale in errors)
     result = {"max_abs_logit_error": worst_abs, "max_rel_logit_error": relative,

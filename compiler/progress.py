@@ -24,6 +24,7 @@ class StageLog:
         self.console = console or Console(stderr=True, highlight=False, emoji=False)
         self.seconds: dict[str, float] = {}
         self.peak_rss: dict[str, int] = {}  # bytes, the highest resident set seen during each stage
+        self._stage: str | None = None
 
     @contextlib.contextmanager
     def stage(self, name: str, detail: str = "") -> Iterator[None]:
@@ -31,17 +32,32 @@ class StageLog:
         self.console.print(f"[bold]→ {escape(name)}[/bold] {escape(detail)}".rstrip())
         start = time.perf_counter()
         sampler = PeakRss()
+        self._stage = name
         try:
             with sampler:
                 yield
         except BaseException:
             self.console.print(f"[red]✗ {name}[/red] failed after {time.perf_counter() - start:.1f} s")
             raise
+        finally:
+            self._stage = None
         self.seconds[name] = round(time.perf_counter() - start, 2)
         self.peak_rss[name] = sampler.peak
         release_freed_memory()
         self.console.print(f"[green]✓ {name}[/green] {self.seconds[name]:.1f} s, peak memory "
                            f"{sampler.peak / 2**30:.2f} GiB")
+
+    @contextlib.contextmanager
+    def step(self, name: str) -> Iterator[None]:
+        """A part of the current stage, timed and measured like one (recorded as `stage / step`), so a
+        stage's peak can be traced to the step that set it."""
+        key = f"{self._stage} / {name}" if self._stage else name
+        start = time.perf_counter()
+        with PeakRss() as sampler:
+            yield
+        self.seconds[key] = round(time.perf_counter() - start, 2)
+        self.peak_rss[key] = sampler.peak
+        self.console.print(f"  {escape(name)}: {self.seconds[key]:.1f} s, peak memory {sampler.peak / 2**30:.2f} GiB")
 
     @contextlib.contextmanager
     def bar(self, description: str, total: float) -> Iterator[callable]:

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportError
-from .export import EXTERNAL_DATA_THRESHOLD, MODEL_FILE, OnnxArtifact, finish_model_file, save_proto
+from .export import MODEL_FILE, OnnxArtifact, finish_model_file, graph_files, save_proto
 from .recipe import Variant
 
 # Kept in fp32 by the fp16 conversion: reductions and exponentials whose range or rounding fp16
@@ -95,7 +95,7 @@ def _weight_blocks(bits: int) -> Callable[..., dict]:
             quantizer.process()
             model = quantizer.model.model
         _encode_int8_grid(model, exact, spec.block_size)
-        _save(model, folder)
+        save_proto(model, folder)
         return source.interface, sorted(exact)
 
     return make
@@ -120,7 +120,7 @@ def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration:
     work = folder / ".calibration"
     work.mkdir(parents=True, exist_ok=True)
     prepared = work / "prepared.onnx"
-    _save(proto, work, name=prepared.name)
+    save_proto(proto, work, prepared.name)
     targets = [n for n in weight_matmuls(proto) if n not in excluded]
     method = {"minmax": CalibrationMethod.MinMax, "entropy": CalibrationMethod.Entropy,
               "percentile": CalibrationMethod.Percentile}[spec.method]
@@ -129,7 +129,7 @@ def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration:
             str(prepared), str(folder / MODEL_FILE), _CalibrationFeed(source, calibration),
             quant_format=QuantFormat.QDQ, nodes_to_quantize=targets, per_channel=True,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, calibrate_method=method,
-            use_external_data_format=_needs_external(proto),
+            use_external_data_format=True,
             # Symmetric activations with zero points of 0: TensorRT's Q/DQ support requires it.
             extra_options={"ActivationSymmetric": True, "WeightSymmetric": True},
         )
@@ -150,7 +150,7 @@ def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, 
                                          node_block_list=excluded, disable_shape_infer=True)
     model = ir.from_proto(converted)
     TopologicalSortPass()(model)  # the converter appends its Casts after their consumers
-    _save(ir.to_proto(model), folder)
+    save_proto(ir.to_proto(model), folder)
     half = lambda entries: [{**e, "dtype": "float16"} if "{layer}" in e["name"] else e  # noqa: E731
                             for e in entries]
     return {**source.interface, "inputs": half(source.interface["inputs"]),
@@ -255,18 +255,8 @@ def _untie_transposed_weights(proto: Any) -> None:
         proto.graph.node.remove(node)
 
 
-def _needs_external(proto: Any) -> bool:
-    return proto.ByteSize() >= EXTERNAL_DATA_THRESHOLD
-
-
-def _save(proto: Any, folder: Path, name: str = MODEL_FILE) -> None:
-    save_proto(proto, folder, _needs_external(proto), name)
-
-
 def _finish(folder: Path, source: OnnxArtifact, interface: dict) -> OnnxArtifact:
-    node_count = finish_model_file(folder / MODEL_FILE)
-    files = [MODEL_FILE] + ([MODEL_FILE + ".data"] if (folder / (MODEL_FILE + ".data")).exists() else [])
-    return OnnxArtifact(folder, interface, source.shapes, node_count, files)
+    return OnnxArtifact(folder, interface, source.shapes, finish_model_file(folder / MODEL_FILE), graph_files(folder))
 
 
 CALIBRATION_CHUNK = 32

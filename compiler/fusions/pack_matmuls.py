@@ -9,37 +9,34 @@ Why: at batch 1 a projection costs a kernel call more than it costs its bytes. M
     x ──MatMul(W_k)──> k   ->
     x ──MatMul(W_v)──> v
 
-It runs on the finished graph of a variant, after quantization, on an onnx ModelProto: plain MatMuls
+It runs on the finished graph of a variant, after quantization, on an onnx_ir model: plain MatMuls
 pack with plain ones, MatMulNBits with MatMulNBits of the same bits, block size and accuracy level
 (their codes, scales and zero points are laid out output feature by output feature, so packing is
 concatenation), so `quantize.exclude` and each layer's own quantization are decided first. Each
-output column is the same dot product as before: the graph computes the same numbers.
+output column is the same dot product as before: the graph computes the same numbers. The packed
+weights are lazy: each is concatenated only when the graph is saved, one at a time, so packing a
+graph whose weights are mapped from disk holds one packed weight in memory, not all of them.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import defaultdict
 from typing import Any
 
 import numpy as np
 
 NAME = "pack_matmuls"
-NBITS_INPUTS = ("codes", "scales", "zero_points")
 
 
-def apply(proto: Any) -> int:
+def apply(model: Any) -> int:
     """Pack in place; returns the number of MatMuls removed."""
-    from onnx import helper, numpy_helper
+    import onnx_ir as ir
 
-    graph = proto.graph
-    inits = {i.name: i for i in graph.initializer}
-    uses: dict[str, int] = defaultdict(int)
-    for node in graph.node:
-        for name in node.input:
-            uses[name] += 1
+    graph = model.graph
     groups: dict[tuple, list[Any]] = defaultdict(list)
-    for node in graph.node:
-        key = _group_key(node, inits, uses)
+    for node in graph:
+        key = _group_key(node)
         if key is not None:
             groups[key].append(node)
     removed = 0
@@ -47,52 +44,68 @@ def apply(proto: Any) -> int:
         if len(members) < 2:
             continue
         first = members[0]
-        widths = [_width(node, inits) for node in members]
+        widths = [_width(node) for node in members]
         packed = f"{first.name}_packed"
-        names = []
-        for slot, _ in enumerate(first.input[1:], start=1):
-            arrays = [numpy_helper.to_array(inits[node.input[slot]]) for node in members]
-            axis = 1 if first.op_type == "MatMul" else 0  # MatMul's weight is [K, N]; MatMulNBits' are N-major
-            names.append(f"{packed}_{slot}")
-            graph.initializer.append(numpy_helper.from_array(np.concatenate(arrays, axis=axis), names[-1]))
-        wide = helper.make_node(first.op_type, [first.input[0], *names], [f"{packed}_out"], name=packed,
-                                domain=first.domain)
-        wide.attribute.extend(a for a in first.attribute if a.name != "N")
+        axis = 1 if first.op_type == "MatMul" else 0  # MatMul's weight is [K, N]; MatMulNBits' are N-major
+        weights = []
+        for slot in range(1, len(first.inputs)):
+            parts = [node.inputs[slot].const_value for node in members]
+            shape = list(parts[0].shape)
+            shape[axis] = sum(part.shape[axis] for part in parts)
+            name = f"{packed}_{slot}"
+            tensor = ir.LazyTensor(functools.partial(_concatenated, parts, axis, name), dtype=parts[0].dtype,
+                                   shape=ir.Shape(shape), name=name)
+            weights.append(ir.Value(name=name, shape=tensor.shape, type=ir.TensorType(tensor.dtype),
+                                    const_value=tensor))
+            graph.register_initializer(weights[-1])
+        attributes = [a for a in first.attributes.values() if a.name != "N"]
         if first.op_type == "MatMulNBits":
-            wide.attribute.append(helper.make_attribute("N", sum(widths)))
-        wide.metadata_props.extend(first.metadata_props)
-        sizes = f"{packed}_sizes"
-        graph.initializer.append(numpy_helper.from_array(np.array(widths, np.int64), sizes))
-        split = helper.make_node("Split", [wide.output[0], sizes], [n.output[0] for n in members],
-                                 name=f"{packed}_split", axis=-1)
-        index = min(list(graph.node).index(n) for n in members)
-        for node in members:
-            graph.node.remove(node)
-            for name in node.input[1:]:
-                uses[name] -= 1
-                if uses[name] == 0:
-                    graph.initializer.remove(inits.pop(name))
-        graph.node.insert(index, split)
-        graph.node.insert(index, wide)
+            attributes.append(ir.AttrInt64("N", sum(widths)))
+        wide = ir.Node(first.domain, first.op_type, [first.inputs[0], *weights], attributes, name=packed,
+                       metadata_props=dict(first.metadata_props))
+        wide.outputs[0].name = f"{packed}_out"
+        sizes = ir.Value(name=f"{packed}_sizes", const_value=ir.tensor(np.array(widths, np.int64),
+                                                                        name=f"{packed}_sizes"))
+        graph.register_initializer(sizes)
+        split = ir.Node("", "Split", [wide.outputs[0], sizes], [ir.AttrInt64("axis", -1)],
+                        num_outputs=len(members), name=f"{packed}_split")
+        graph.insert_before(first, [wide, split])
+        for node, output in zip(members, split.outputs, strict=True):
+            old = node.outputs[0]
+            output.name, output.shape, output.type = old.name, old.shape, old.type
+            old.name = f"{old.name}_unpacked"
+            old.replace_all_uses_with(output, replace_graph_outputs=True)
+        olds = [node.inputs[1:] for node in members]
+        graph.remove(members, safe=True)
+        for value in (v for inputs in olds for v in inputs):
+            if not value.uses() and value.name in graph.initializers:
+                del graph.initializers[value.name]
         removed += len(members) - 1
     return removed
 
 
-def _group_key(node: Any, inits: dict[str, Any], uses: dict[str, int]) -> tuple | None:
+def _concatenated(parts: list[Any], axis: int, name: str) -> Any:
+    import onnx_ir as ir
+
+    return ir.tensor(np.concatenate([part.numpy() for part in parts], axis=axis), name=name)
+
+
+def _group_key(node: Any) -> tuple | None:
     """What a MatMul must share with another to pack with it, or None when it cannot pack: its
     weights are not initializers, or are read elsewhere too (a tied weight stays where it is)."""
-    if node.op_type not in ("MatMul", "MatMulNBits") or len(node.input) < 2:
+    if node.op_type not in ("MatMul", "MatMulNBits") or len(node.inputs) < 2:
         return None
-    weights = list(node.input[1:])
-    if not all(name in inits and uses[name] == 1 for name in weights):
+    weights = list(node.inputs[1:])
+    if not all(v is not None and v.is_initializer() and v.const_value is not None and len(v.uses()) == 1
+               and not v.is_graph_output() for v in weights):
         return None
     if node.op_type == "MatMul":
-        return (node.input[0], "MatMul", tuple(inits[weights[0]].dims[:-1]))
-    attributes = tuple(sorted((a.name, a.i) for a in node.attribute if a.name != "N"))
-    return (node.input[0], "MatMulNBits", len(weights), attributes)
+        return (id(node.inputs[0]), "MatMul", tuple(weights[0].const_value.shape[:-1]))
+    attributes = tuple(sorted((a.name, a.value) for a in node.attributes.values() if a.name != "N"))
+    return (id(node.inputs[0]), "MatMulNBits", len(weights), attributes)
 
 
-def _width(node: Any, inits: dict[str, Any]) -> int:
+def _width(node: Any) -> int:
     if node.op_type == "MatMul":
-        return int(inits[node.input[1]].dims[-1])
-    return next(a.i for a in node.attribute if a.name == "N")
+        return int(node.inputs[1].const_value.shape[-1])
+    return node.attributes["N"].value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 import onnx
+import onnx_ir as ir
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -28,6 +29,13 @@ def _model(widths, shared_input=True, tied=False):
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
 
 
+def _packed(model):
+    """pack_matmuls on an onnx_ir copy of `model`: (MatMuls removed, the packed ModelProto)."""
+    graph = ir.from_proto(model)
+    removed = pack_matmuls.apply(graph)
+    return removed, ir.to_proto(graph)
+
+
 def _run(model):
     feed = {n: np.random.default_rng(1).standard_normal((2, K)).astype(np.float32) for n in ("x", "x2")}
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
@@ -38,8 +46,10 @@ def _run(model):
 def test_siblings_pack_into_one_matmul_and_a_split_with_the_same_outputs():
     model = _model([48, 16, 16])
     before = _run(model)
-    assert pack_matmuls.apply(model) == 2
+    removed, model = _packed(model)
+    assert removed == 2
     assert [n.op_type for n in model.graph.node] == ["MatMul", "Split"]
+    assert sorted(i.name for i in model.graph.initializer) == ["mm0_packed_1", "mm0_packed_sizes"]
     onnx.checker.check_model(model)
     after = _run(model)
     assert all(np.array_equal(a, b) for a, b in zip(before, after, strict=True))
@@ -51,7 +61,8 @@ def test_quantized_siblings_pack_and_keep_their_numbers():
     quantizer.process()
     model = quantizer.model.model
     before = _run(model)
-    assert pack_matmuls.apply(model) == 1
+    removed, model = _packed(model)
+    assert removed == 1
     assert [n.op_type for n in model.graph.node] == ["MatMulNBits", "Split"]
     assert next(a.i for a in model.graph.node[0].attribute if a.name == "N") == 96
     assert all(np.array_equal(a, b) for a, b in zip(before, _run(model), strict=True))
@@ -61,6 +72,6 @@ def test_what_must_not_pack():
     for model in (_model([16, 16], shared_input=False),  # different activations
                   _model([16, 16], tied=True),           # one weight read twice
                   _model([16])):                         # nothing beside it
-        nodes = len(model.graph.node)
-        assert pack_matmuls.apply(model) == 0
-        assert len(model.graph.node) == nodes
+        removed, packed = _packed(model)
+        assert removed == 0
+        assert len(packed.graph.node) == len(model.graph.node)
