@@ -104,8 +104,10 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
-    stages = sorted({s for r in rows for s in r.get("stage_peak_rss_mib", {})},
+    named = {s for r in rows for s in r.get("stage_peak_rss_mib", {})}
+    stages = sorted((s for s in named if " / " not in s),
                     key=lambda s: (not s.startswith(("load", "export", "validate", "reference")), s))
+    steps = sorted(s for s in named if " / " in s)  # each variant's steps, where its stage peak comes from
     print("\n| model | params | fp32 weights | compile | peak RSS | peak / weights | export s per 1B | "
           + " | ".join(f"{s} peak" for s in stages) + " |")
     print("| --- " * (7 + len(stages)) + "|")
@@ -117,6 +119,14 @@ def main() -> int:
         print(f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | {gib(r['fp32_weight_bytes'])} | {r['seconds']:.0f} s | "
               f"{gib(r['peak_rss_bytes'])} | {r['peak_over_weights']:.1f}x | {r['export_seconds_per_billion']:.0f} | "
               + " | ".join(f"{r['stage_peak_rss_mib'].get(s, 0) / 1024:.2f} GiB" for s in stages) + " |")
+    if steps:
+        print("\n| model | " + " | ".join(steps) + " |")
+        print("| --- " * (1 + len(steps)) + "|")
+        for r in rows:
+            if not r["exit"]:
+                peaks, seconds = r["stage_peak_rss_mib"], r["stage_seconds"]
+                print(f"| {r['size']} | " + " | ".join(
+                    f"{peaks[s] / 1024:.2f} GiB, {seconds[s]:.0f} s" if s in peaks else "" for s in steps) + " |")
     print(f"\n{args.output}")
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
