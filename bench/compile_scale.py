@@ -1,8 +1,9 @@
 """Compile time and memory against model size: random-weight Llamas saved as real checkpoints are
 (sharded bf16 safetensors with an index), compiled by `compile-model` in a fresh process each, one fp32
 variant (add --quantized for an int8 and an int4 variant too). Per stage: seconds and the peak
-resident set (the stage log's sampler, recorded in the manifest); overall: /usr/bin/time's maximum
-resident set. Writes bench/results/compile_scale.json and prints a table.
+resident set (the stage log's sampler, recorded in the manifest), and each variant's steps; overall:
+/usr/bin/time's maximum resident set. Then the artifact generates 16 tokens through run-model, as a
+user runs it. Writes bench/results/compile_scale.json and prints the tables.
 
     python bench/compile_scale.py [--sizes 135m,480m] [--quantized]
 """
@@ -77,13 +78,28 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
                         if line.strip() and not line.startswith("Command exited")][-12:]
         return row
     manifest = json.loads((out / "manifest.json").read_text())
-    row["stage_seconds"] = manifest["compile"]["stage_seconds"]
-    row["stage_peak_rss_mib"] = manifest["compile"]["stage_peak_rss_mib"]
+    # Each variant's steps ("variant cpu-fp32 / quantize") beside the stages, where the peak comes from.
+    compiled = manifest["compile"]
+    row["stage_seconds"] = {**compiled["stage_seconds"], **compiled.get("step_seconds", {})}
+    row["stage_peak_rss_mib"] = {**compiled["stage_peak_rss_mib"], **compiled.get("step_peak_rss_mib", {})}
     row["peak_over_weights"] = round(row["peak_rss_bytes"] / row["fp32_weight_bytes"], 2)
     row["export_seconds_per_billion"] = round(row["stage_seconds"]["export"] / (parameters / 1e9), 1)
+    row["generate"] = generate(out)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(checkpoint, ignore_errors=True)
     return row
+
+
+def generate(artifact: Path) -> dict:
+    """The compiled artifact as a user runs it: run-model, greedy, in a fresh process (no torch)."""
+    command = ["/usr/bin/time", "-v", str(Path(sys.executable).with_name("run-model")), str(artifact),
+               "--prompt", "The capital of France is", "--max-new-tokens", "16"]
+    started = time.perf_counter()
+    run = subprocess.run(command, capture_output=True, text=True)
+    peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
+    return {"exit": run.returncode, "seconds": round(time.perf_counter() - started, 1),
+            "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
+            "output": run.stdout.strip()[-300:] if run.returncode == 0 else run.stderr.strip().splitlines()[-3:]}
 
 
 def main() -> int:
@@ -127,6 +143,12 @@ def main() -> int:
                 peaks, seconds = r["stage_peak_rss_mib"], r["stage_seconds"]
                 print(f"| {r['size']} | " + " | ".join(
                     f"{peaks[s] / 1024:.2f} GiB, {seconds[s]:.0f} s" if s in peaks else "" for s in steps) + " |")
+    print("\n| model | run-model (16 new tokens) | its peak RSS |\n| --- | --- | ---: |")
+    for r in rows:
+        if "generate" in r:
+            g = r["generate"]
+            print(f"| {r['size']} | exit {g['exit']}, {g['seconds']:.0f} s | "
+                  f"{(g['peak_rss_bytes'] or 0) / 2**30:.2f} GiB |")
     print(f"\n{args.output}")
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 

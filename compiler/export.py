@@ -242,7 +242,7 @@ def small_constants_kept():
 def forget_matched_graphs() -> None:
     """Drop the graph each onnxscript pattern matcher keeps from its last match. The rules are module
     globals, so that graph (every weight in it, and the torch parameters behind an export's) outlived
-    the stage: 0.9 GiB of SmolLM2's stayed resident through the whole compile."""
+    the stage: 0.9 GiB of a 135M model's stayed resident through the whole compile."""
     import gc
 
     try:

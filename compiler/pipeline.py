@@ -62,7 +62,7 @@ from .validate_export import CASES, eager_cases, validate_export
 # libraries plus the validation logits (vocabulary-sized, whatever the model's size); the load stage
 # sets the peak of larger models (the fp32 model, and the bf16 file mapped while it is widened). A
 # quantized variant's stage holds the fp32 graph and its quantized weights at once.
-COMPILE_BASE_BYTES = int(1.0 * 2**30)
+COMPILE_BASE_BYTES = int(1.2 * 2**30)
 COMPILE_PEAK_PER_WEIGHT_BYTE = 1.7
 QUANTIZED_VARIANT_PER_WEIGHT_BYTE = 0.8
 
@@ -333,6 +333,8 @@ def _manifest_sections(recipe: Recipe, source: dict[str, Any], model: dict[str, 
         "compile": {
             "stage_seconds": dict(log.seconds),
             "stage_peak_rss_mib": {name: round(peak / 2**20) for name, peak in log.peak_rss.items()},
+            "step_seconds": dict(log.step_seconds),
+            "step_peak_rss_mib": {name: round(peak / 2**20) for name, peak in log.step_peak_rss.items()},
             "seconds": round(time.perf_counter() - started, 2),
             "peak_rss_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
         },

@@ -24,6 +24,8 @@ class StageLog:
         self.console = console or Console(stderr=True, highlight=False, emoji=False)
         self.seconds: dict[str, float] = {}
         self.peak_rss: dict[str, int] = {}  # bytes, the highest resident set seen during each stage
+        self.step_seconds: dict[str, float] = {}  # the same for steps inside a stage, as "stage / step"
+        self.step_peak_rss: dict[str, int] = {}
         self._stage: str | None = None
 
     @contextlib.contextmanager
@@ -55,9 +57,10 @@ class StageLog:
         start = time.perf_counter()
         with PeakRss() as sampler:
             yield
-        self.seconds[key] = round(time.perf_counter() - start, 2)
-        self.peak_rss[key] = sampler.peak
-        self.console.print(f"  {escape(name)}: {self.seconds[key]:.1f} s, peak memory {sampler.peak / 2**30:.2f} GiB")
+        self.step_seconds[key] = round(time.perf_counter() - start, 2)
+        self.step_peak_rss[key] = sampler.peak
+        self.console.print(f"  {escape(name)}: {self.step_seconds[key]:.1f} s, peak memory "
+                           f"{sampler.peak / 2**30:.2f} GiB")
 
     @contextlib.contextmanager
     def bar(self, description: str, total: float) -> Iterator[callable]:

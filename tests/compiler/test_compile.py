@@ -240,3 +240,28 @@ def test_sharded_bf16_checkpoint_compiles_and_records_stage_memory(tmp_path):
                                   pad_token_id=0)[0, len(ids):].tolist()
     got = generator.generate([ids], SamplingParams(max_new_tokens=8))[0].token_ids
     assert got == (expected[: expected.index(0) + 1] if 0 in expected else expected)
+
+
+def test_no_torch_weights_outlive_the_reference_stage(tiny_checkpoints, tmp_path, monkeypatch):
+    """Once eager's outputs are recorded, none of the model's parameters may stay alive: onnxscript's
+    pattern matchers kept the exported graph, and through it every parameter, until the compile ended."""
+    import gc
+    import weakref
+
+    parameters, alive = [], []
+
+    def loading(*args, **kwargs):
+        checkpoint = load(*args, **kwargs)
+        parameters.extend(weakref.ref(p) for p in checkpoint.model.parameters())
+        return checkpoint
+
+    def validating(*args, **kwargs):
+        gc.collect()
+        alive.append(sum(ref() is not None for ref in parameters))
+        return validate(*args, **kwargs)
+
+    load, validate = compiler.pipeline.load_checkpoint, compiler.pipeline.validate_export
+    monkeypatch.setattr(compiler.pipeline, "load_checkpoint", loading)
+    monkeypatch.setattr(compiler.pipeline, "validate_export", validating)
+    compile_recipe(write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"]), tmp_path / "out")
+    assert parameters and alive == [0]

@@ -111,8 +111,8 @@ def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
     result = _kiln("export-for", "genai", f"{artifact}:cpu-fp32-unfused", out)
     assert result.returncode == 0, result.stderr
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        ["model.onnx", "genai_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-         "generation_config.json"])
+        ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "tokenizer_config.json",
+         "chat_template.jinja", "generation_config.json"])
     generator = Generator.load(artifact, "cpu-fp32-unfused")
     prompts = [generator.encode(p) for p in PROMPTS[:2]]
     kiln = [r.token_ids for r in generator.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))]
@@ -125,7 +125,7 @@ def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
     # A folder that is not empty is refused, whole, and left as it was.
     again = _kiln("export-for", "genai", artifact, out)
     assert again.returncode == 1 and "already exists and is not an empty folder" in again.stderr
-    assert len(list(out.iterdir())) == 6 and not list(tmp_path.glob(".genai.partial-*"))
+    assert len(list(out.iterdir())) == 7 and not list(tmp_path.glob(".genai.partial-*"))
 
 
 def test_export_for_optimum_refuses_what_optimum_cannot_run(tiny_artifacts, tmp_path):
