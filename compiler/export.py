@@ -167,13 +167,14 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     program.save(str(path), external_data=True)
     del program
     forget_matched_graphs()
-    return OnnxArtifact(folder, graph_interface(shapes, cfg.logits), shapes, finish_model_file(path),
-                        graph_files(folder))
+    return saved_graph(folder, graph_interface(shapes, cfg.logits), shapes)
 
 
-def graph_files(folder: Path) -> list[str]:
-    """The graph's files in `folder`: model.onnx, and its data file where it has weights."""
-    return [MODEL_FILE] + ([DATA_FILE] if (folder / DATA_FILE).exists() else [])
+def saved_graph(folder: Path, interface: dict[str, Any], shapes: Shapes) -> OnnxArtifact:
+    """The graph just saved in `folder` (model.onnx, and model.onnx.data where it has weights), its
+    model file finished by finish_model_file."""
+    files = [MODEL_FILE] + ([DATA_FILE] if (folder / DATA_FILE).exists() else [])
+    return OnnxArtifact(folder, interface, shapes, finish_model_file(folder / MODEL_FILE), files)
 
 
 def finish_model_file(path: Path) -> int:
@@ -195,19 +196,18 @@ def finish_model_file(path: Path) -> int:
     return len(proto.graph.node)
 
 
-def save_model(model: Any, folder: Path) -> list[str]:
-    """An onnx_ir model as folder/model.onnx with its weights in model.onnx.data; the files written
-    (before finish_model_file). Weights mapped from another graph's data file are copied in chunks."""
+def save_model(model: Any, folder: Path) -> None:
+    """An onnx_ir model as folder/model.onnx with its weights in model.onnx.data (before saved_graph).
+    Weights mapped from another graph's data file are copied in chunks."""
     import onnx_ir as ir
 
     folder.mkdir(parents=True, exist_ok=True)
     (folder / DATA_FILE).unlink(missing_ok=True)
     ir.save(model, str(folder / MODEL_FILE), external_data=DATA_FILE)
-    return graph_files(folder)
 
 
 def save_proto(proto: Any, folder: Path, name: str = MODEL_FILE) -> None:
-    """An onnx ModelProto as folder/name with its weights in name.data (before finish_model_file).
+    """An onnx ModelProto as folder/name with its weights in name.data (before saved_graph).
     onnx writes the weights one by one and drops each from `proto` once written: `proto` keeps none."""
     import onnx
 

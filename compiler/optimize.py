@@ -22,14 +22,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportMismatch
-from .export import (
-    MODEL_FILE,
-    OnnxArtifact,
-    finish_model_file,
-    forget_matched_graphs,
-    save_model,
-    small_constants_kept,
-)
+from .export import OnnxArtifact, forget_matched_graphs, save_model, saved_graph, small_constants_kept
 from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls
 from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
@@ -91,8 +84,8 @@ def _op_counts(model: Any) -> Counter:
 
 
 def _save(model: Any, exported: OnnxArtifact, interface: dict[str, Any], folder: Path) -> OnnxArtifact:
-    files = save_model(model, folder)
-    return OnnxArtifact(folder, interface, exported.shapes, finish_model_file(folder / MODEL_FILE), files)
+    save_model(model, folder)
+    return saved_graph(folder, interface, exported.shapes)
 
 
 def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
@@ -104,10 +97,8 @@ def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
     removed = pack_matmuls.apply(model)
     if not removed:
         return graph, 0
-    files = save_model(model, folder)
-    del model
-    forget_matched_graphs()
-    return OnnxArtifact(folder, graph.interface, graph.shapes, finish_model_file(folder / MODEL_FILE), files), removed
+    save_model(model, folder)
+    return saved_graph(folder, graph.interface, graph.shapes), removed
 
 
 # -- the numerical check: the runtime's backend on both graphs ------------------------------------

@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportError
-from .export import MODEL_FILE, OnnxArtifact, finish_model_file, graph_files, save_proto
+from .export import MODEL_FILE, OnnxArtifact, save_proto, saved_graph
 from .recipe import Variant
 
 # Kept in fp32 by the fp16 conversion: reductions and exponentials whose range or rounding fp16
@@ -64,7 +64,7 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
     layers = weight_matmuls(proto)
     excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
     interface, exact = make(proto, source, variant, calibration, excluded, folder)
-    artifact = _finish(folder, source, interface)
+    artifact = saved_graph(folder, interface, source.shapes)
     report = {"mode": mode or variant.precision, "weight_matmuls": len(layers),
               "kept_fp32": [layers[n] for n in excluded], "kept_source_grid": [layers[n] for n in exact],
               "settings": variant.quantize.model_dump() if variant.quantize else {}}
@@ -253,10 +253,6 @@ def _untie_transposed_weights(proto: Any) -> None:
         proto.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)),
                                                                node.output[0]))
         proto.graph.node.remove(node)
-
-
-def _finish(folder: Path, source: OnnxArtifact, interface: dict) -> OnnxArtifact:
-    return OnnxArtifact(folder, interface, source.shapes, finish_model_file(folder / MODEL_FILE), graph_files(folder))
 
 
 CALIBRATION_CHUNK = 32
