@@ -105,6 +105,7 @@ class KvCache(list):
         self.binding: Any = None
         self.values: list | None = None
         self.seq: int | None = None  # the sequence length the logits output is bound for
+        self.logits: np.ndarray | None = None  # the array it is bound to
 
 
 class OnnxRuntimeBackend:
@@ -132,6 +133,7 @@ class OnnxRuntimeBackend:
         self.output_names = ["logits", *kv_order(expand(interface["outputs"][1:], layers))]
         self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
         self.vocab_size = interface["vocab_size"]
+        self.logits_dtype = np.dtype(interface["outputs"][0]["dtype"])
         self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
         self.shared = interface.get("kv_sharing", "none") == "shared-buffer"
         self.front_aligned = self.shared and interface.get("row_lengths") == "mask"
@@ -238,10 +240,13 @@ class OnnxRuntimeBackend:
             for past_name, value in zip(self.past_names, cache.values, strict=True):
                 cache.binding.bind_ortvalue_input(past_name, value)
         if cache.seq != input_ids.shape[1]:
-            # ONNX Runtime reuses the logits buffer it allocated for the last run, so rebind when its
-            # shape changes (prefill -> decode with `logits: all`). Logits first: get_outputs()[0].
+            # The logits go into an array of ours, bound once per shape (prefill -> decode with
+            # `logits: all` changes it): reading ONNX Runtime's own output back (get_outputs) wraps
+            # every bound output, the KV buffers too, on each step.
             cache.binding.clear_binding_outputs()
-            cache.binding.bind_output("logits")
+            rows = 1 if self.logits_last else input_ids.shape[1]
+            cache.logits = np.empty((len(input_ids), rows, self.vocab_size), self.logits_dtype)
+            cache.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(cache.logits))
             for present_name, value in zip(self.output_names[1:], cache.values, strict=True):
                 cache.binding.bind_ortvalue_output(present_name, value)
             cache.seq = input_ids.shape[1]
@@ -250,7 +255,7 @@ class OnnxRuntimeBackend:
             cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
         self.session.run_with_iobinding(cache.binding)
         cache.length = attention_mask.shape[1]
-        return cache.binding.get_outputs()[0].numpy().copy(), cache  # a copy: the next run writes the same buffer
+        return cache.logits.copy(), cache  # a copy: the next run writes the same buffer
 
 
 def rows_of(arrays: list[np.ndarray], rows: Sequence[int], lead: int, length: int, front: int,

