@@ -238,7 +238,7 @@ def _on_int4_grid(proto: Any, block_size: int, excluded: list[str]) -> list[str]
 
 
 def _encode_int4_grid(model: Any, names: list[str], block_size: int, bits: int) -> None:
-    """Replace each MatMul in `weights` with a MatMulNBits (4 or 8 bits) that decodes its Q4_1 levels
+    """Replace each MatMul in `names` with a MatMulNBits (4 or 8 bits) that decodes its Q4_1 levels
     exactly.
 
     MatMulNBits' zero points are integers on its fast path (a float zero point takes a dequantizing
