@@ -45,7 +45,8 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
                 unmatched[rule.name] = why
     _drop_unused_initializers(model)
     interface = _interface_after(exported.interface, rules)
-    optimized = _save(model, exported, interface, folder)
+    save_model(model, folder)
+    optimized = saved_graph(folder, interface, exported.shapes)
     report: dict[str, Any] = {
         "target": target,
         "rules": rules,
@@ -81,11 +82,6 @@ def _drop_unused_initializers(model: Any) -> None:
 
 def _op_counts(model: Any) -> Counter:
     return Counter(f"{node.domain}::{node.op_type}" if node.domain else node.op_type for node in model.graph)
-
-
-def _save(model: Any, exported: OnnxArtifact, interface: dict[str, Any], folder: Path) -> OnnxArtifact:
-    save_model(model, folder)
-    return saved_graph(folder, interface, exported.shapes)
 
 
 def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
