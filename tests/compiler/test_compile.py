@@ -230,7 +230,9 @@ def test_sharded_bf16_checkpoint_compiles_and_records_stage_memory(tmp_path):
     assert manifest["variants"]["cpu-fp32"]["status"] == "built"
     peaks = manifest["compile"]["stage_peak_rss_mib"]
     assert {"load", "export", "validate export", "reference", "variant cpu-fp32"} <= set(peaks)
-    assert all(0 < peak <= manifest["compile"]["peak_rss_mib"] for peak in peaks.values())
+    # MiB of a whole Python process with torch and onnxruntime loaded: neither bytes nor GiB
+    assert all(100 < peak < 20_000 for peak in peaks.values()), peaks
+    assert manifest["compile"]["peak_rss_mib"] >= max(peaks.values())
     # The bf16 weights, widened to fp32, are what the graph computes with: greedy equals eager's.
     eager = AutoModelForCausalLM.from_pretrained(sharded, dtype=torch.float32).eval()
     generator = Generator.load(artifact)
