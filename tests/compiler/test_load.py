@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from compiler.errors import CheckpointError
-from compiler.load import load_checkpoint, resolve_source
+from compiler.load import _safetensors_read_by_pread, load_checkpoint, resolve_source
 from compiler.recipe import ModelSpec
 
 
@@ -94,3 +94,35 @@ def test_single_non_gguf_file_refused(tmp_path):
 def test_missing_path(tmp_path):
     with pytest.raises(CheckpointError, match="no such file or folder"):
         resolve_source(ModelSpec(source=str(tmp_path / "none" / "x" / "y")))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_sharded_bf16_read_by_pread_equals_from_pretrained(tiny_checkpoints, tmp_path, family):
+    """The load stage reads safetensors shards with pread instead of transformers' mapping (the mapped
+    pages counted in the resident set beside the fp32 model): the same fp32 weights, tied ones tied,
+    and the folder's generation_config.json still read."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family], dtype=torch.bfloat16)
+    source.generation_config.max_new_tokens = 77
+    folder = tmp_path / "sharded"
+    source.save_pretrained(folder, max_shard_size="30KB")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tiny_checkpoints[family] / name, folder / name)
+    assert len(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]) > 3
+
+    checkpoint = load_checkpoint(ModelSpec(source=str(folder)))
+    with _safetensors_read_by_pread(checkpoint.source, checkpoint.config) as load:
+        assert load is not None  # this folder is read by pread, not by transformers' own mapping
+    loaded = checkpoint.model
+    reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert loaded.generation_config.max_new_tokens == 77
+    ours, theirs = loaded.state_dict(), reference.state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, weight in ours.items():
+        assert weight.dtype == torch.float32 and torch.equal(weight, theirs[name]), name
+    embedding, head = loaded.get_input_embeddings().weight, loaded.get_output_embeddings().weight
+    assert (embedding.data_ptr() == head.data_ptr()) == bool(loaded.config.tie_word_embeddings)
