@@ -15,9 +15,11 @@ unchanged.
 
 from __future__ import annotations
 
+import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -35,7 +37,7 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
-def perplexity(logits: Sequence[np.ndarray], targets: Sequence[Sequence[int]]) -> float:
+def perplexity(logits: Iterable[np.ndarray], targets: Sequence[Sequence[int]]) -> float:
     """exp(mean negative log-likelihood); logits[i][t] predicts targets[i][t]."""
     nll = [-log_softmax(lg)[np.arange(len(tg)), tg] for lg, tg in zip(logits, targets, strict=True)]
     return float(np.exp(np.concatenate(nll).mean()))
@@ -128,11 +130,44 @@ def greedy(backend: Any, prompts: Sequence[list[int]], new_tokens: int,
 class Run:
     """What one side computed on the inputs; the reference's continuations are the ones both sides score."""
 
-    text_logits: list[np.ndarray]  # teacher-forced over each held-out row, [len(row), vocab]
+    text_logits: Sequence[np.ndarray]  # teacher-forced over each held-out row, [len(row), vocab]
     continuations: list[list[int]]  # its own greedy tokens per prompt
     prefill_logits: np.ndarray  # [prompts, vocab]: the prefill's logits at each prompt's last position
-    continuation_logits: list[np.ndarray]  # teacher-forced over the reference's continuation, [new_tokens, vocab]
+    continuation_logits: Sequence[np.ndarray]  # teacher-forced over the reference's continuation, [new_tokens, vocab]
     greedy_seconds: float  # the batched greedy run, prefill included
+
+
+class RowsOnDisk(Sequence[np.ndarray]):
+    """Arrays written to a file and read back one at a time with plain reads (not mapped, so what
+    was read leaves the resident set with the array). The reference's logits are vocabulary-sized
+    whatever the model (0.3 GiB at SmolLM2's 49k vocabulary, 0.9 GiB at 152k) and every variant's
+    comparison reads them row by row, so they need not stay resident beside each variant's own."""
+
+    def __init__(self, rows: Sequence[np.ndarray], path: Path) -> None:
+        self.path, self._rows = path, []
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as handle:
+            for row in rows:
+                row = np.ascontiguousarray(row)
+                self._rows.append((handle.tell(), row.shape, row.dtype))
+                handle.write(row.data)
+
+    def __len__(self) -> int:
+        return len(self._rows)
+
+    def __getitem__(self, index):  # type: ignore[override]
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(len(self)))]
+        offset, shape, dtype = self._rows[index]
+        count = int(np.prod(shape))
+        return np.fromfile(self.path, dtype=dtype, count=count, offset=offset).reshape(shape)
+
+
+def spilled(run: Run, folder: Path) -> Run:
+    """The run with its logits rows on disk in `folder` (see RowsOnDisk)."""
+    return dataclasses.replace(run, text_logits=RowsOnDisk(run.text_logits, folder / "text-logits.bin"),
+                               continuation_logits=RowsOnDisk(run.continuation_logits,
+                                                              folder / "continuation-logits.bin"))
 
 
 def reference_run(backend: Any, inputs: Inputs) -> Run:
@@ -179,8 +214,8 @@ def measure(backend: Any, inputs: Inputs, reference: Run) -> dict[str, Any]:
 def compare_runs(reference: Run, candidate: Run, inputs: Inputs) -> dict[str, Any]:
     """{"summary": overall metrics, "prompts": one record per prompt, "positions": per continuation position}."""
     targets = [row[1:] for row in inputs.text_rows]
-    ppl_ref = perplexity([lg[:-1] for lg in reference.text_logits], targets)
-    ppl = perplexity([lg[:-1] for lg in candidate.text_logits], targets)
+    ppl_ref = perplexity((lg[:-1] for lg in reference.text_logits), targets)
+    ppl = perplexity((lg[:-1] for lg in candidate.text_logits), targets)
     text = agreement(reference.text_logits, candidate.text_logits)
     prompts = agreement(reference.continuation_logits, candidate.continuation_logits)
     per_prompt = [_prompt_metrics(reference, candidate, i) for i in range(len(inputs.prompts))]

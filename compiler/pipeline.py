@@ -21,7 +21,7 @@ from typing import Any
 from runtime.backend import OnnxRuntimeBackend, open_backend
 from runtime.memory import free_host_memory, measure_in_subprocess
 
-from .accuracy import Inputs, Run, measure, reference_run
+from .accuracy import Inputs, Run, measure, reference_run, spilled
 from .compare import Side, assemble, eager_side, read_inputs
 from .errors import GateFailure, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
@@ -122,7 +122,7 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             cases = eager_cases(checkpoint, exported)
             eager = eager_side(checkpoint, f"eager:{recipe.model.source}", device="cpu")
             data = _validation_data(recipe, base, eager)
-            reference = reference_run(eager.backend, data.inputs)
+            reference = spilled(reference_run(eager.backend, data.inputs), staging / ".work" / "reference")
             model = model_facts(checkpoint, recipe.export.max_context)
             source = _source_section(checkpoint)
             write_tokenizer(checkpoint, staging / "tokenizer")

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.accuracy import failed_gates, greedy_match, perplexity
+from compiler.accuracy import Inputs, Run, compare_runs, failed_gates, greedy_match, perplexity, spilled
 from compiler.errors import GateFailure
 from compiler.pipeline import compile_recipe
 from runtime.generator import Generator
@@ -114,6 +114,27 @@ def test_metrics_on_known_arrays():
     assert failed_gates(metrics, {"top1_agreement": 0.98, "perplexity_change": 0.02, "greedy_match": 0.9}) == [
         "top1_agreement 0.97 < 0.98", "perplexity_change 0.03 > 0.02"]
     assert failed_gates({**metrics, "top1_agreement": float("nan")}, {"top1_agreement": 0.5})
+
+
+def test_reference_logits_on_disk_give_the_same_metrics(tmp_path):
+    """The compile keeps the reference's logits on disk (RowsOnDisk): every metric is what the
+    arrays in memory give, and the rows come back exactly, of their own shapes."""
+    rng = np.random.default_rng(0)
+    inputs = Inputs(text_rows=[list(rng.integers(0, 50, 9)), list(rng.integers(0, 50, 5))],
+                    prompts=[[1, 2], [3, 4, 5]], new_tokens=4, pad_id=0)
+
+    def run(seed: int) -> Run:
+        r = np.random.default_rng(seed)
+        return Run([r.normal(size=(len(row), 50)).astype(np.float32) for row in inputs.text_rows],
+                   [list(r.integers(0, 50, 4)) for _ in inputs.prompts], r.normal(size=(2, 50)).astype(np.float32),
+                   [r.normal(size=(4, 50)).astype(np.float32) for _ in inputs.prompts], 1.0)
+
+    reference, candidate = run(1), run(2)
+    on_disk = spilled(reference, tmp_path / "reference")
+    for kept, read in zip(reference.text_logits + reference.continuation_logits,
+                          list(on_disk.text_logits) + list(on_disk.continuation_logits), strict=True):
+        assert read.shape == kept.shape and read.dtype == kept.dtype and np.array_equal(read, kept)
+    assert compare_runs(on_disk, candidate, inputs) == compare_runs(reference, candidate, inputs)
 
 
 def test_fp16_overflow_is_found_at_compile_time(tmp_path):
