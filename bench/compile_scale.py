@@ -32,6 +32,11 @@ SIZES = {
     "1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
                  num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
+PROMPT = "The capital of France is"
+TOKEN_IDS = ("import json, sys\nfrom runtime.generator import Generator\nfrom runtime.sampling import SamplingParams\n"
+             "g = Generator.load(sys.argv[1])\n"
+             "print(json.dumps(g.generate([g.encode(sys.argv[2])], SamplingParams(max_new_tokens=16))[0].token_ids))")
+ACCURACY_KEYS = ("top1_agreement", "greedy_match", "perplexity_change", "max_logit_error")
 FP32 = "  - {name: cpu-fp32, target: onnxruntime}\n"
 QUANTIZED = ("  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic}}\n"
              "  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4}}\n")
@@ -84,6 +89,9 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
     row["stage_peak_rss_mib"] = {**compiled["stage_peak_rss_mib"], **compiled.get("step_peak_rss_mib", {})}
     row["peak_over_weights"] = round(row["peak_rss_bytes"] / row["fp32_weight_bytes"], 2)
     row["export_seconds_per_billion"] = round(row["stage_seconds"]["export"] / (parameters / 1e9), 1)
+    # No default gates: what the compile measured against eager, so a reader sees the artifact is right.
+    row["accuracy"] = {name: {k: entry["accuracy"][k] for k in ACCURACY_KEYS}
+                       for name, entry in manifest["variants"].items() if "accuracy" in entry}
     row["generate"] = generate(out)
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(checkpoint, ignore_errors=True)
@@ -91,15 +99,19 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
 
 
 def generate(artifact: Path) -> dict:
-    """The compiled artifact as a user runs it: run-model, greedy, in a fresh process (no torch)."""
+    """The compiled artifact as a user runs it: run-model, greedy, in a fresh process (no torch); then
+    the token ids, as random weights give text the test tokenizer may decode to nothing."""
     command = ["/usr/bin/time", "-v", str(Path(sys.executable).with_name("run-model")), str(artifact),
-               "--prompt", "The capital of France is", "--max-new-tokens", "16"]
+               "--prompt", PROMPT, "--max-new-tokens", "16"]
     started = time.perf_counter()
     run = subprocess.run(command, capture_output=True, text=True)
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
+    ids = subprocess.run([sys.executable, "-c", TOKEN_IDS, str(artifact), PROMPT], capture_output=True, text=True,
+                         cwd=ROOT)
     return {"exit": run.returncode, "seconds": round(time.perf_counter() - started, 1),
             "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
-            "output": run.stdout.strip()[-300:] if run.returncode == 0 else run.stderr.strip().splitlines()[-3:]}
+            "output": run.stdout.strip()[-300:] if run.returncode == 0 else run.stderr.strip().splitlines()[-3:],
+            "new_token_ids": json.loads(ids.stdout) if ids.returncode == 0 else ids.stderr.strip().splitlines()[-3:]}
 
 
 def main() -> int:
@@ -143,12 +155,16 @@ def main() -> int:
                 peaks, seconds = r["stage_peak_rss_mib"], r["stage_seconds"]
                 print(f"| {r['size']} | " + " | ".join(
                     f"{peaks[s] / 1024:.2f} GiB, {seconds[s]:.0f} s" if s in peaks else "" for s in steps) + " |")
-    print("\n| model | run-model (16 new tokens) | its peak RSS |\n| --- | --- | ---: |")
+    print("\n| model | run-model (16 new tokens) | its peak RSS | token ids generated "
+          "| cpu-fp32 vs eager: top-1, greedy match |\n| --- | --- | ---: | ---: | --- |")
     for r in rows:
         if "generate" in r:
-            g = r["generate"]
+            g, fp32 = r["generate"], r["accuracy"].get("cpu-fp32", {})
+            ids = g["new_token_ids"]
             print(f"| {r['size']} | exit {g['exit']}, {g['seconds']:.0f} s | "
-                  f"{(g['peak_rss_bytes'] or 0) / 2**30:.2f} GiB |")
+                  f"{(g['peak_rss_bytes'] or 0) / 2**30:.2f} GiB | "
+                  f"{len(ids) if isinstance(ids, list) and all(isinstance(i, int) for i in ids) else ids} | "
+                  f"{fp32.get('top1_agreement', float('nan')):.3f}, {fp32.get('greedy_match', float('nan')):.2f} |")
     print(f"\n{args.output}")
     return 0 if all(r["exit"] == 0 for r in rows) else 1
 
