@@ -105,10 +105,11 @@ def generate(artifact: Path) -> dict:
                "--prompt", PROMPT, "--max-new-tokens", "16"]
     started = time.perf_counter()
     run = subprocess.run(command, capture_output=True, text=True)
+    seconds = time.perf_counter() - started
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     ids = subprocess.run([sys.executable, "-c", TOKEN_IDS, str(artifact), PROMPT], capture_output=True, text=True,
                          cwd=ROOT)
-    return {"exit": run.returncode, "seconds": round(time.perf_counter() - started, 1),
+    return {"exit": run.returncode, "seconds": round(seconds, 1),
             "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
             "output": run.stdout.strip()[-300:] if run.returncode == 0 else run.stderr.strip().splitlines()[-3:],
             "new_token_ids": json.loads(ids.stdout) if ids.returncode == 0 else ids.stderr.strip().splitlines()[-3:]}

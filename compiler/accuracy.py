@@ -155,9 +155,7 @@ class RowsOnDisk(Sequence[np.ndarray]):
     def __len__(self) -> int:
         return len(self._rows)
 
-    def __getitem__(self, index):  # type: ignore[override]
-        if isinstance(index, slice):
-            return [self[i] for i in range(*index.indices(len(self)))]
+    def __getitem__(self, index: int) -> np.ndarray:  # type: ignore[override]
         offset, shape, dtype = self._rows[index]
         count = int(np.prod(shape))
         return np.fromfile(self.path, dtype=dtype, count=count, offset=offset).reshape(shape)
