@@ -1,6 +1,6 @@
 """compile-model's pipeline: recipe -> load -> export -> eager reference (export cases, prompts, text;
-then the torch model is freed) -> validate export -> per variant (optimize -> quantize -> A/B against
-eager + gates, reports/<variant>.*) -> package.
+then the torch model is freed) -> validate export -> per variant (optimize -> [exclude: auto's
+sensitivity search] -> quantize -> A/B against eager + gates, reports/<variant>.*) -> package.
 
 Each stage is a function from one artifact to the next; this module only sequences them, times
 them, and makes sure the result appears all at once or not at all.
@@ -21,7 +21,7 @@ from typing import Any
 from runtime.backend import OnnxRuntimeBackend, open_backend
 from runtime.memory import free_host_memory, measure_in_subprocess
 
-from .accuracy import Inputs, Run, measure, reference_run, spilled
+from .accuracy import Inputs, Run, failed_gates, measure, reference_run, spilled
 from .compare import Side, assemble, eager_side, read_inputs
 from .errors import GateFailure, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
@@ -54,6 +54,7 @@ from .recipe import (
     with_max_context,
 )
 from .report import write_report
+from .sensitivity import fewest_kept, layer_sensitivity, weight_groups, with_exclude
 from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
 from .validate_export import CASES, eager_cases, validate_export
 
@@ -227,6 +228,9 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     for rule, why in optimized["unmatched"].items():
         log.note(f"  {rule} not applied: {why}")
     report: dict[str, Any] = {"optimize": optimized}
+    gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
+    if variant.quantize and variant.quantize.exclude == "auto":
+        variant, report["exclude_auto"] = _auto_exclude(variant, graph, data, reference, gates, work, log)
     if variant.quantize or variant.precision != "fp32":
         calibration = data.calibration[variant.name]
         with log.step("quantize"):
@@ -242,7 +246,6 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             optimized["unmatched"][pack_matmuls.NAME] = "no two MatMuls read one activation with weights of their own"
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
-    gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
 
     def against_eager(backend: Any, stem: str, runs_on: str) -> dict[str, Any]:
         """The same A/B report compare-model writes, eager torch as A: reports/<stem>.{json,md,html}."""
@@ -250,6 +253,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
                                         description=f"{variant.name} ({_describe(variant)}), {runs_on}")
         comparison = assemble(eager, candidate, data.inputs, data.prompts, gates,
                               measure(backend, data.inputs, reference))
+        if "exclude_auto" in report:  # where the accuracy went, beside what it came to
+            comparison["exclude_auto"] = report["exclude_auto"]
         write_report(comparison, staging / "reports", stem=stem)
         return comparison
 
@@ -287,6 +292,47 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if variant.target == "tensorrt":
         return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
     return {**entry, **summary, "status": "built"}
+
+
+def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, reference: Run,
+                  gates: dict[str, float], work: Path, log: StageLog) -> tuple[Variant, dict[str, Any]]:
+    """`quantize.exclude: auto` -> the variant with the fewest module groups in fp32 that meets its gates
+    (compiler/sensitivity.py), and the sensitivity table and attempts behind that choice."""
+    calibration = data.calibration[variant.name]
+    groups = weight_groups(graph)
+    with log.step("sensitivity"), log.bar("module groups quantized alone", total=len(groups)) as advance:
+        ranking = layer_sensitivity(graph, variant, groups, calibration, data.inputs.pad_id, work / "alone",
+                                    on_group=advance)
+    log.note("sensitivity, most sensitive first (KL from fp32 with that group alone quantized, calibration "
+             "prompts): " + ", ".join(f"{r['group']} {r['kl_divergence']:.2g}" for r in ranking[:6]))
+    attempts: list[dict[str, Any]] = []
+
+    def attempt(count: int) -> bool:
+        candidate = with_exclude(variant, [m for r in ranking[:count] for m in r["modules"]])
+        built, _ = quantize(graph, candidate, calibration, work / "search" / "quantized")
+        if variant.target == "onnxruntime" and variant.fuse:
+            built, _ = pack(built, work / "search" / "packed")
+        backend = OnnxRuntimeBackend(built.model_path, built.interface)
+        metrics = measure(backend, data.inputs, reference)["summary"]
+        backend.close()
+        shutil.rmtree(work / "search")
+        failures = failed_gates(metrics, gates)
+        attempts.append({"groups_in_fp32": count, "top1_agreement": metrics["top1_agreement"],
+                         "perplexity_change": metrics["perplexity_change"], "failed_gates": failures})
+        verdict = f"missed {', '.join(failures)}" if failures else "passed"
+        log.note(f"  {count} of {len(ranking)} groups in fp32: top-1 {metrics['top1_agreement']:.3f}, perplexity "
+                 f"{metrics['perplexity_change']:+.2%}; {verdict}")
+        return not failures
+
+    with log.step("search"):
+        count = fewest_kept(ranking, attempt)
+    if count is None:
+        log.note(f"exclude: auto: the gates are missed even with all {len(ranking)} groups in fp32; building "
+                 "with none kept, so the gates report what quantizing costs")
+    kept = ranking[:count or 0]
+    return (with_exclude(variant, [m for r in kept for m in r["modules"]]),
+            {"sensitivity": ranking, "attempts": attempts, "groups_in_fp32": [r["group"] for r in kept],
+             "met_gates": count is not None})
 
 
 def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path, log: StageLog,

@@ -23,7 +23,8 @@ guess what is good enough.
 - fp16: weights and compute in fp16, with the numerically sensitive ops kept in fp32 (BLOCKED_FP16).
 
 `exclude` in the recipe keeps matching layers in fp32: globs over module paths such as
-`lm_head` or `model.layers.*.mlp.down_proj`, read from the exporter's name scopes.
+`lm_head` or `model.layers.*.mlp.down_proj`, read from the exporter's name scopes; `exclude: auto`
+is resolved to paths before this stage, by a sensitivity search (compiler/sensitivity.py).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
     mode = variant.quantize.mode if variant.quantize else None
     make = QUANTIZERS[(variant.precision, mode)]
     proto = onnx.load(str(source.model_path))
-    _untie_transposed_weights(proto)
+    untie_transposed_weights(proto)
     layers = weight_matmuls(proto)
     excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
     interface, exact = make(proto, source, variant, calibration, excluded, folder)
@@ -74,6 +75,8 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
 
 
 def _matches(path: str, spec: Any) -> bool:
+    if spec is not None and spec.exclude == "auto":  # the pipeline's search resolves it to paths first
+        raise QuantizeError("quantize.exclude: auto reached the quantizer unresolved")
     return spec is not None and any(fnmatch.fnmatchcase(path, pattern) for pattern in spec.exclude)
 
 
@@ -325,7 +328,7 @@ def _module_path(scopes: str) -> str:
     return path.removeprefix("model.")
 
 
-def _untie_transposed_weights(proto: Any) -> None:
+def untie_transposed_weights(proto: Any) -> None:
     """MatMul(x, Transpose(W)) with W an initializer -> MatMul(x, W^T) with W^T stored.
 
     A tied LM head reads the embedding table through a Transpose; MatMulNBits and QDQ weight

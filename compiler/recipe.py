@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 import typing
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -111,8 +111,17 @@ class QuantizeSpec(_Strict):
     # int8-dynamic, int4: each weight to its nearest level, or GPTQ (compiler/gptq.py): rounding
     # errors pushed onto the weights not yet rounded, by the calibration prompts' activations.
     rounding: Literal["nearest", "gptq"] = "nearest"
-    # Module-path globs kept in fp32, e.g. ["lm_head", "model.layers.*.mlp.down_proj"].
-    exclude: list[str] = []
+    # Module-path globs kept in fp32, e.g. ["lm_head", "model.layers.*.mlp.down_proj"], or `auto`: the
+    # fewest module groups, most sensitive first, the variant needs to meet its gates
+    # (compiler/sensitivity.py; a per-group sensitivity table in its report).
+    exclude: list[str] | Literal["auto"] = []
+
+    @field_validator("exclude", mode="before")
+    @classmethod
+    def _exclude_is_globs_or_auto(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            raise ValueError(f"is {value!r}; give a list of module-path globs such as [lm_head], or auto")
+        return value
 
     @model_validator(mode="after")
     def _rounding_fits_mode(self) -> QuantizeSpec:

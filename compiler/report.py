@@ -80,6 +80,32 @@ def _speed_note(report: dict[str, Any]) -> str:
     return "tokens/s from one timed run each" if repeats == 1 else f"tokens/s: medians of {repeats} interleaved runs"
 
 
+SENSITIVITY_COLUMNS = ["rank", "module group", "KL mean", "KL max", "top-1", "in fp32"]
+ATTEMPT_COLUMNS = ["groups in fp32", "top-1", "perplexity change", "result"]
+
+
+def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[list[str]]] | None:
+    """`exclude: auto`'s table, if the variant had one: (a sentence, one row per module group, one row
+    per attempt of the search)."""
+    found = report.get("exclude_auto")
+    if not found:
+        return None
+    kept = set(found["groups_in_fp32"])
+    groups = [[str(rank), r["group"], fmt("kl_divergence", r["kl_divergence"]),
+               fmt("kl_divergence", r["kl_divergence_max"]), fmt("top1_agreement", r["top1_agreement"]),
+               "yes" if r["group"] in kept else ""] for rank, r in enumerate(found["sensitivity"], 1)]
+    attempts = [[str(a["groups_in_fp32"]), fmt("top1_agreement", a["top1_agreement"]),
+                 fmt("perplexity_change", a["perplexity_change"]),
+                 "pass" if not a["failed_gates"] else "missed " + ", ".join(a["failed_gates"])]
+                for a in found["attempts"]]
+    outcome = (f"{len(kept)} of {len(groups)} module groups kept in fp32, the fewest that met the gates"
+               if found["met_gates"] else f"no count of the {len(groups)} module groups in fp32 met the gates; "
+               "built with none kept")
+    sentence = (f"quantize.exclude: auto. Each module group quantized alone, the rest fp32, against the fp32 graph "
+                f"(teacher-forced on the calibration prompts), most sensitive first; {outcome}.")
+    return sentence, groups, attempts
+
+
 def _verdict(report: dict[str, Any]) -> str:
     if not report["gates"]:
         return "NO GATES (measured only)"
@@ -107,6 +133,14 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## Summary", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| {label} | {fmt(key, s[key])} |" for label, key, _ in SUMMARY_ROWS]
+    table = _sensitivity(report)
+    if table:
+        sentence, groups, attempts = table
+        lines += ["", "## Where accuracy goes", "", sentence, "",
+                  "| " + " | ".join(ATTEMPT_COLUMNS) + " |", "|" + " --- |" * len(ATTEMPT_COLUMNS)]
+        lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in attempts]
+        lines += ["", "| " + " | ".join(SENSITIVITY_COLUMNS) + " |", "|" + " --- |" * len(SENSITIVITY_COLUMNS)]
+        lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in groups]
     lines += ["", "## Worst prompts", "",
               "Continuations are greedy; the part after the first differing token is in bold.", ""]
     for p in worst_prompts(report):
@@ -175,7 +209,17 @@ def html_page(report: dict[str, Any]) -> str:
         parts.append("</table>")
     parts.append("<h2>Summary</h2><table id='summary'><tr><th>metric</th><th>value</th></tr>")
     parts += [f"<tr><td>{e(label)}</td><td class='num'>{fmt(key, s[key])}</td></tr>" for label, key, _ in SUMMARY_ROWS]
-    parts.append("</table><h2>Per position</h2>")
+    parts.append("</table>")
+    table = _sensitivity(report)
+    if table:
+        sentence, groups, attempts = table
+        parts.append(f"<h2>Where accuracy goes</h2><p>{e(sentence)}</p>")
+        tables = (("attempts", ATTEMPT_COLUMNS, attempts), ("sensitivity", SENSITIVITY_COLUMNS, groups))
+        for key, columns, rows in tables:
+            parts.append(f"<table id='{key}'><tr>" + "".join(f"<th>{e(c)}</th>" for c in columns) + "</tr>")
+            parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
+            parts.append("</table>")
+    parts.append("<h2>Per position</h2>")
     parts += [f"<figure>{svg}</figure>" for svg in _plots(report)]
     parts.append("<h2>Worst prompts</h2><p>Greedy continuations of A and B; "
                  "<mark>marked</mark> text comes after the first token where they differ.</p>")

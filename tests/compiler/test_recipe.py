@@ -118,6 +118,9 @@ BAD = {
     ),
     "unknown block size": (("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int4, block_size: 48}}"),
                            "variants.0.quantize.block_size: input should be 16, 32, 64, 128 or 256"),
+    "exclude neither globs nor auto": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-dynamic, exclude: automatic}}"),
+        "variants.0.quantize.exclude: is 'automatic'; give a list of module-path globs such as [lm_head], or auto"),
     "unknown gate": (("variants:\n", "validate: {gates: {top5: 0.9}}\nvariants:\n"),
                      "validate.gates.top5: unknown key; allowed keys here: top1_agreement, greedy_match"),
 }

@@ -1,0 +1,116 @@
+"""`quantize.exclude: auto`: which modules a quantized variant keeps in fp32, and where its accuracy goes.
+
+Two steps, both measured under ONNX Runtime on the graphs that would ship:
+
+1. Sensitivity (`layer_sensitivity`): each module group (a decoder layer's attention projections, its
+   MLP projections, the LM head) quantized alone, every other weight left in fp32; the KL divergence of
+   its next-token distributions from the fp32 graph's, teacher-forced over the calibration prompts.
+   This is the per-layer table a user reads to see where accuracy goes; it reads the calibration set,
+   not the held-out text the gates judge.
+2. Search (`fewest_kept`): the groups kept in fp32 are a prefix of that ranking, most sensitive first;
+   the shortest prefix whose variant meets the gates is found by doubling, then bisection. That takes
+   passing to be monotone in the prefix length, which holds when the groups' errors roughly add up;
+   every attempt is recorded, so a case where it does not shows in the report.
+"""
+
+from __future__ import annotations
+
+import shutil
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .accuracy import kl_divergence, teacher_forced
+from .export import OnnxArtifact
+from .recipe import Variant
+
+SENSITIVITY_ROW_TOKENS = 64  # the calibration prompts, joined and cut into teacher-forced rows this long
+
+
+def module_groups(paths: Sequence[str]) -> dict[str, list[str]]:
+    """{group: its weight MatMuls' module paths}: a path's parent module (`model.layers.3.mlp` for
+    `model.layers.3.mlp.down_proj`), or the path itself at the top level (`lm_head`); in graph order."""
+    groups: dict[str, list[str]] = {}
+    for path in paths:
+        groups.setdefault(path.rsplit(".", 1)[0] if "." in path else path, []).append(path)
+    return groups
+
+
+def weight_groups(source: OnnxArtifact) -> dict[str, list[str]]:
+    """module_groups of the weight MatMuls the quantizer sees: a tied LM head's too, which reads the
+    embedding through a Transpose until the quantizer unties it."""
+    import onnx
+
+    from .quantize import untie_transposed_weights, weight_matmuls
+
+    proto = onnx.load(str(source.model_path))
+    untie_transposed_weights(proto)
+    return module_groups(list(weight_matmuls(proto).values()))
+
+
+def with_exclude(variant: Variant, paths: Sequence[str]) -> Variant:
+    """The variant with these module paths kept in fp32 (exact paths are their own globs)."""
+    assert variant.quantize is not None
+    return variant.model_copy(update={"quantize": variant.quantize.model_copy(update={"exclude": list(paths)})})
+
+
+def calibration_rows(calibration: Sequence[list[int]]) -> list[list[int]]:
+    stream = [t for ids in calibration for t in ids]
+    return [stream[i:i + SENSITIVITY_ROW_TOKENS] for i in range(0, len(stream) - 1, SENSITIVITY_ROW_TOKENS)
+            if len(stream[i:]) > 1]
+
+
+def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, list[str]],
+                      calibration: Sequence[list[int]], pad_id: int, folder: Path,
+                      on_group: Callable[[], None] | None = None) -> list[dict[str, Any]]:
+    """One record per module group, most sensitive first: {group, modules, kl_divergence (mean),
+    kl_divergence_max, top1_agreement} of the variant with only that group quantized, against `source`."""
+    from runtime.backend import OnnxRuntimeBackend
+
+    from .quantize import quantize
+
+    paths = [p for members in groups.values() for p in members]
+    rows = calibration_rows(calibration)
+    fp32 = OnnxRuntimeBackend(source.model_path, source.interface)
+    reference = teacher_forced(fp32, rows, pad_id)
+    fp32.close()
+    records = []
+    for group, members in groups.items():
+        alone = with_exclude(variant, [p for p in paths if p not in members])
+        graph, _ = quantize(source, alone, calibration, folder)
+        backend = OnnxRuntimeBackend(graph.model_path, graph.interface)
+        logits = teacher_forced(backend, rows, pad_id)
+        backend.close()
+        shutil.rmtree(folder)
+        kl = np.concatenate([kl_divergence(r, c) for r, c in zip(reference, logits, strict=True)])
+        agree = np.concatenate([r.argmax(-1) == c.argmax(-1) for r, c in zip(reference, logits, strict=True)])
+        records.append({"group": group, "modules": members, "kl_divergence": float(kl.mean()),
+                        "kl_divergence_max": float(kl.max()), "top1_agreement": float(agree.mean())})
+        if on_group:
+            on_group()
+    return sorted(records, key=lambda r: -r["kl_divergence"])
+
+
+def fewest_kept(ranking: Sequence[dict[str, Any]], attempt: Callable[[int], bool]) -> int | None:
+    """The fewest leading groups of `ranking` that `attempt(count)` (keep that many in fp32, build,
+    measure, gate) passes with; None if even all of them do not. Attempts 0, 1, 2, 4, ... then bisects."""
+    tried: dict[int, bool] = {}
+
+    def passes(count: int) -> bool:
+        if count not in tried:
+            tried[count] = attempt(count)
+        return tried[count]
+
+    if passes(0):
+        return 0
+    low, high = 0, 1
+    while not passes(high):
+        if high == len(ranking):
+            return None
+        low, high = high, min(2 * high, len(ranking))
+    while high - low > 1:  # low fails, high passes
+        middle = (low + high) // 2
+        low, high = (middle, high) if not passes(middle) else (low, middle)
+    return high
