@@ -5,10 +5,10 @@
 
 What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
 dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 models from that folder
-with its model builder, and Kiln's cpu-int4 variant (bench/smollm2-variants.yaml; its GPTQ twin
-is not run: SmolLM2's layer weights are on a Q4_1 grid, which int4 keeps exactly, so GPTQ has
-nothing left to round). Kiln's cpu-fp32 and cpu-int8 come from --artifact, the main command's
-artifact.
+with its model builder, and Kiln's cpu-int4 variant and a cpu-int8 with every layer quantized
+(bench/smollm2-variants.yaml; int4's GPTQ twin is not run: SmolLM2's layer weights are on a Q4_1
+grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
+(`exclude: auto`) come from --artifact, the main command's artifact.
 
 The protocol (issue 19): 64 chat-templated prompts of 36 to 49 tokens, fed as token ids to every
 backend; greedy, exactly --new-tokens new tokens (EOS ignored); --threads threads each; tokens/s of
@@ -109,24 +109,26 @@ def genai_model(work: Path, hf: Path, precision: str) -> Path:
     return out
 
 
-def kiln_int4(work: Path) -> Path:
-    out = work / "kiln-int4"
+def kiln_quantized(work: Path) -> Path:
+    """Kiln's cpu-int4, and cpu-int8 with every layer quantized (the main recipe's cpu-int8 keeps the
+    groups `exclude: auto` chose in fp32), from bench/smollm2-variants.yaml."""
+    out = work / "kiln-quantized"
     if (out / "manifest.json").exists():
         return out
-    print("compiling Kiln's cpu-int4 variant", file=sys.stderr)
+    print("compiling Kiln's cpu-int4 and all-quantized cpu-int8 variants", file=sys.stderr)
     subprocess.run([sys.executable, "-c", "from compiler.cli import main; main()",
-                    str(ROOT / "bench" / "smollm2-variants.yaml"), "--variant", "cpu-int4", "--out", str(out),
-                    "--keep-failed"], check=True, cwd=ROOT)
+                    str(ROOT / "bench" / "smollm2-variants.yaml"), "--variant", "cpu-int4", "--variant", "cpu-int8",
+                    "--out", str(out), "--keep-failed"], check=True, cwd=ROOT)
     return out
 
 
 # -- the backends: generate(prompts) -> (tokens per prompt, seconds to first tokens); teacher_forced -
 
 class Kiln:
-    def __init__(self, artifact: Path, variant: str, threads: int) -> None:
+    def __init__(self, artifact: Path, variant: str, threads: int, label: str | None = None) -> None:
         from runtime.generator import Generator
 
-        self.name = f"Kiln {variant}"
+        self.name = label or f"Kiln {variant}"
         self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
@@ -284,9 +286,10 @@ def main() -> None:
 
     hf = hf_folder(work)
     genai = {p: genai_model(work, hf, p) for p in ("fp32", "int8", "int4")}
-    int4 = kiln_int4(work)
+    quantized = kiln_quantized(work)
     backends = [Kiln(artifact, "cpu-fp32", args.threads), Kiln(artifact, "cpu-int8", args.threads),
-                Kiln(int4, "cpu-int4", args.threads)]
+                Kiln(quantized, "cpu-int8", args.threads, label="Kiln cpu-int8, all quantized"),
+                Kiln(quantized, "cpu-int4", args.threads)]
     backends += [Genai(genai[p], p, args.threads) for p in ("fp32", "int8", "int4")]
     eager = Eager(args.threads, backends[0].generator.pad_id)
     backends.insert(0, eager)
@@ -333,7 +336,7 @@ def main() -> None:
     genai_rows = {r["backend"].split()[-1]: r for r in rows_out if r["backend"].startswith("onnxruntime-genai")}
     for row in rows_out:
         if row["backend"].startswith("Kiln"):
-            peer = genai_rows.get(row["backend"].split("-")[1])  # "Kiln cpu-int4" -> int4
+            peer = genai_rows.get(row["backend"].split("cpu-")[1].split(",")[0])  # "Kiln cpu-int8, all ..." -> int8
             row["x_genai"] = ({b: row[f"b{b}_tokens_per_s"] / peer[f"b{b}_tokens_per_s"] for b in BATCHES}
                               if peer else None)
     report = {"threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens, "prompts": PROMPTS,
