@@ -10,7 +10,9 @@ Two steps, both measured under ONNX Runtime on the graphs that would ship:
 2. Search (`fewest_kept`): the groups kept in fp32 are a prefix of that ranking, most sensitive first;
    the shortest prefix whose variant meets the gates is found by doubling, then bisection. That takes
    passing to be monotone in the prefix length, which holds when the groups' errors roughly add up;
-   every attempt is recorded, so a case where it does not shows in the report.
+   every attempt is recorded, so a case where it does not shows in the report. The attempts are
+   gated on the gates' own held-out text and prompts, so for an `exclude: auto` variant those are
+   the search's stopping rule as well as its measurement, no longer an independent estimate.
 """
 
 from __future__ import annotations
