@@ -328,11 +328,12 @@ def _module_path(scopes: str) -> str:
     return path.removeprefix("model.")
 
 
-def untie_transposed_weights(proto: Any) -> None:
+def untie_transposed_weights(proto: Any, base_dir: str = "") -> None:
     """MatMul(x, Transpose(W)) with W an initializer -> MatMul(x, W^T) with W^T stored.
 
     A tied LM head reads the embedding table through a Transpose; MatMulNBits and QDQ weight
     quantization need the weight as an initializer. The embedding itself stays fp32 for the Gather.
+    For a proto loaded without its external data, `base_dir` is where W's is read from (W's alone).
     """
     from onnx import numpy_helper
 
@@ -346,7 +347,7 @@ def untie_transposed_weights(proto: Any) -> None:
             continue
         if not all(c.op_type == "MatMul" and c.input[1] == node.output[0] for c in consumers.get(node.output[0], [])):
             continue
-        weight = numpy_helper.to_array(inits[node.input[0]])
+        weight = numpy_helper.to_array(inits[node.input[0]], base_dir)
         perm = next((list(a.ints) for a in node.attribute if a.name == "perm"), None)
         proto.graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(weight.transpose(perm)),
                                                                node.output[0]))

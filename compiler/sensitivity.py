@@ -42,13 +42,13 @@ def module_groups(paths: Sequence[str]) -> dict[str, list[str]]:
 
 def weight_groups(source: OnnxArtifact) -> dict[str, list[str]]:
     """module_groups of the weight MatMuls the quantizer sees: a tied LM head's too, which reads the
-    embedding through a Transpose until the quantizer unties it."""
+    embedding through a Transpose until the quantizer unties it. Only the tied weight is read."""
     import onnx
 
     from .quantize import untie_transposed_weights, weight_matmuls
 
-    proto = onnx.load(str(source.model_path))
-    untie_transposed_weights(proto)
+    proto = onnx.load(str(source.model_path), load_external_data=False)
+    untie_transposed_weights(proto, str(source.folder))
     return module_groups(list(weight_matmuls(proto).values()))
 
 
@@ -59,9 +59,10 @@ def with_exclude(variant: Variant, paths: Sequence[str]) -> Variant:
 
 
 def calibration_rows(calibration: Sequence[list[int]]) -> list[list[int]]:
+    """The calibration prompts joined and cut into rows of SENSITIVITY_ROW_TOKENS; each row at least
+    two tokens long, so that it predicts something."""
     stream = [t for ids in calibration for t in ids]
-    return [stream[i:i + SENSITIVITY_ROW_TOKENS] for i in range(0, len(stream) - 1, SENSITIVITY_ROW_TOKENS)
-            if len(stream[i:]) > 1]
+    return [stream[i:i + SENSITIVITY_ROW_TOKENS] for i in range(0, len(stream) - 1, SENSITIVITY_ROW_TOKENS)]
 
 
 def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, list[str]],
