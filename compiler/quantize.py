@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import shutil
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -96,6 +97,9 @@ def _weight_blocks(bits: int) -> Callable[..., dict]:
         # Q4_1 step already.
         exact4 = _on_int4_grid(proto, spec.block_size, [*excluded, *exact]) if bits == 4 else []
         kept = [*excluded, *exact, *exact4]
+        head = lm_head(proto)
+        exact_rows = (_exact_rows(proto, head) if spec.exact_top_logits and head is not None
+                      and head not in excluded else None)
         if spec.rounding == "gptq":
             model = proto
             rounded = [n for n in weight_matmuls(proto) if n not in kept]
@@ -108,6 +112,8 @@ def _weight_blocks(bits: int) -> Callable[..., dict]:
             model = quantizer.model.model
         _encode_int8_grid(model, exact, spec.block_size)
         _encode_int4_grid(model, exact4, spec.block_size, bits)
+        if exact_rows is not None:
+            _rescore_top_logits(model, exact_rows, spec.exact_top_logits)
         save_proto(model, folder)
         return source.interface, sorted([*exact, *exact4])
 
@@ -296,6 +302,79 @@ def _encode_int4_grid(model: Any, names: list[str], block_size: int, bits: int) 
                            bits, block_size)
         fused = next(x for x in graph.node if x.name == f"{name}_Q{bits}")
         fused.input[0] = summed[(activation, k)]
+
+
+def lm_head(proto: Any) -> str | None:
+    """The weight MatMul that writes the `logits` output (the LM head), or None if another op does."""
+    node = next((n for n in proto.graph.node if "logits" in n.output), None)
+    weights = {i.name for i in proto.graph.initializer}
+    if node is None or node.op_type != "MatMul" or node.input[1] not in weights:
+        return None
+    return node.name
+
+
+@dataclass(frozen=True)
+class ExactRows:
+    """What _rescore_top_logits reads: the LM head's activation, and its fp32 weight as rows [vocab,
+    hidden] under `name`: the embedding table when the head is tied to it (no new bytes), else
+    `tensor`, a transposed copy to add (vocab x hidden x 4 bytes on disk; a step touches only the
+    rows it reads)."""
+
+    activation: str
+    name: str
+    vocab: int
+    tensor: Any = None
+
+
+def _exact_rows(proto: Any, head: str) -> ExactRows:
+    from onnx import numpy_helper
+
+    weight = _weight_of(proto, head)
+    activation = next(n for n in proto.graph.node if n.name == head).input[0]
+    inits = {i.name: i for i in proto.graph.initializer}
+    for node in proto.graph.node:
+        table = inits.get(node.input[0]) if node.op_type == "Gather" and node.input else None
+        if table is not None and tuple(table.dims) == weight.shape[::-1]:
+            if np.array_equal(numpy_helper.to_array(table), weight.T):
+                return ExactRows(activation, table.name, weight.shape[1])
+    name = f"{head}_exact_rows"
+    return ExactRows(activation, name, weight.shape[1], numpy_helper.from_array(np.ascontiguousarray(weight.T), name))
+
+
+def _rescore_top_logits(model: Any, rows: ExactRows, top: int) -> None:
+    """The quantized LM head's `top` highest logits recomputed exactly, from the fp32 weight rows.
+
+        h ──LM head (int8/int4)──> approx ──TopK──> index ─────────────────────┐
+        │                            │              └──Gather(rows)──┐          │
+        └──Unsqueeze───────────────────────────────────────────────MatMul──ScatterElements(approx)──> logits
+
+    Why: the LM head's error comes from the fast kernels' int8 activations, and what a user sees of it
+    is the order of the top candidates (greedy tokens, top-k and top-p sampling); the rest of the
+    vocabulary barely moves the softmax. `top` rows cost `top` x hidden weights read a step, against
+    vocab x hidden for an fp32 head, so `exclude: auto` need not keep the head in fp32. Each row's
+    result depends on that row alone: batch invariance holds.
+    """
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    if rows.tensor is not None:
+        graph.initializer.append(rows.tensor)
+    head = next(n for n in graph.node if "logits" in n.output)
+    head.output[0] = "logits_quantized"
+    graph.initializer.extend([numpy_helper.from_array(np.array([min(top, rows.vocab)], np.int64), "exact_top_k"),
+                              numpy_helper.from_array(np.array([-1], np.int64), "exact_top_axis")])
+    graph.node.extend([
+        helper.make_node("TopK", ["logits_quantized", "exact_top_k"], ["exact_top_values", "exact_top_index"],
+                         name="exact_top_k", axis=-1),
+        helper.make_node("Gather", [rows.name, "exact_top_index"], ["exact_top_rows"], name="exact_top_rows", axis=0),
+        helper.make_node("Unsqueeze", [rows.activation, "exact_top_axis"], ["exact_top_hidden"],
+                         name="exact_top_hidden"),
+        helper.make_node("MatMul", ["exact_top_rows", "exact_top_hidden"], ["exact_top_dot"], name="exact_top_dot"),
+        helper.make_node("Squeeze", ["exact_top_dot", "exact_top_axis"], ["exact_top_logits"],
+                         name="exact_top_logits"),
+        helper.make_node("ScatterElements", ["logits_quantized", "exact_top_index", "exact_top_logits"], ["logits"],
+                         name="exact_top_scatter", axis=-1),
+    ])
 
 
 QUANTIZERS: dict[tuple[str, str | None], Callable[..., dict]] = {

@@ -13,6 +13,7 @@ import pytest
 from compiler.accuracy import Inputs, Run, compare_runs, failed_gates, greedy_match, perplexity, spilled
 from compiler.errors import GateFailure
 from compiler.pipeline import compile_recipe
+from compiler.quantize import weight_matmuls
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
 from tests.conftest import write_recipe
@@ -49,12 +50,15 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
     assert ops.count("MatMul") >= 1  # lm_head kept in fp32 by exclude
     report = json.loads((quantized / entry["report"]).read_text())
     assert report["quantize"]["kept_fp32"] == ["lm_head"]
+    assert "TopK" not in ops  # an fp32 head has nothing to rescore
 
     for variant in ("cpu-int4", "cpu-int4-gptq"):
         _, graph = _graph(quantized, variant)
         nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
         assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
-        assert "MatMul" not in {n.op_type for n in graph.graph.node}
+        assert not weight_matmuls(graph)  # every weight quantized, the LM head too
+        ops = [n.op_type for n in graph.graph.node]
+        assert ops.count("TopK") == 1 and ops.count("ScatterElements") == 1  # its top logits recomputed in fp32
 
     for variant in ("cpu-int8-static", "trt-int8"):
         entry, graph = _graph(quantized, variant)
@@ -280,3 +284,67 @@ def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant):
     together = generator.generate(prompts, params)
     assert [r.token_ids for r in together] == [r.token_ids for r in alone]
     assert [[t.logprob for t in r.logprobs] for r in together] == [[t.logprob for t in r.logprobs] for r in alone]
+
+
+def _lm_head_graph(tied: bool, vocab: int = 300, hidden: int = 64):
+    """input_ids -> embedding Gather; hidden -> LM head MatMul -> logits, the head tied to the table
+    (stored transposed, as untie_transposed_weights leaves it) or a weight of its own."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    table = rng.normal(0, 1, (vocab, hidden)).astype(np.float32)
+    head = table.T.copy() if tied else rng.normal(0, 1, (hidden, vocab)).astype(np.float32)
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["table", "input_ids"], ["embedded"], name="embed", axis=0),
+         helper.make_node("MatMul", ["hidden", "head"], ["logits"], name="lm_head")],
+        "head", [helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["b", "s"]),
+                 helper.make_tensor_value_info("hidden", TensorProto.FLOAT, ["b", "s", hidden])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["b", "s", vocab]),
+         helper.make_tensor_value_info("embedded", TensorProto.FLOAT, ["b", "s", hidden])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(head, "head")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    model.ir_version = 8
+    return model, head
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_quantized_lm_head_gets_its_top_logits_exactly(tied):
+    """The int8 head's top logits are replaced by the fp32 head's, from the tied table (no new
+    weight) or a transposed copy; below them the quantized logits stay; rows do not mix."""
+    import onnxruntime as ort
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    from compiler.quantize import _exact_rows, _rescore_top_logits, lm_head
+
+    model, head = _lm_head_graph(tied)
+    assert lm_head(model) == "lm_head"
+    rows = _exact_rows(model, "lm_head")
+    assert (rows.name == "table") == tied and (rows.tensor is None) == tied
+    quantizer = MatMulNBitsQuantizer(model, bits=8, block_size=32, is_symmetric=False, accuracy_level=4)
+    quantizer.process()
+    quantized = quantizer.model.model
+    plain = onnx.ModelProto()
+    plain.CopyFrom(quantized)
+    _rescore_top_logits(quantized, rows, 8)
+    onnx.checker.check_model(quantized)
+    assert [i.name for i in quantized.graph.initializer].count("table") == 1
+
+    rng = np.random.default_rng(1)
+    hidden = rng.normal(0, 1, (3, 5, 64)).astype(np.float32)
+    feed = {"input_ids": np.zeros((3, 5), np.int64), "hidden": hidden}
+
+    def logits(proto):
+        return ort.InferenceSession(proto.SerializeToString()).run(["logits"], feed)[0]
+
+    exact, approx, rescored = hidden @ head, logits(plain), logits(quantized)
+    top = np.argsort(-approx, axis=-1)[..., :8]
+    assert np.abs(np.take_along_axis(approx, top, -1) - np.take_along_axis(exact, top, -1)).max() > 1e-3
+    np.testing.assert_allclose(np.take_along_axis(rescored, top, -1), np.take_along_axis(exact, top, -1),
+                               rtol=1e-5, atol=1e-5)
+    rest = np.ones(approx.shape, bool)
+    np.put_along_axis(rest, top, False, -1)
+    assert np.array_equal(rescored[rest], approx[rest])
+    assert (rescored.argmax(-1) == exact.argmax(-1)).all()
+    one = ort.InferenceSession(quantized.SerializeToString()).run(
+        ["logits"], {"input_ids": feed["input_ids"][1:2], "hidden": hidden[1:2]})[0]
+    assert np.array_equal(one[0], rescored[1])
