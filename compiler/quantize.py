@@ -1,10 +1,10 @@
 """The quantize stage: an optimized fp32 graph -> the precision a variant asks for, with a report.
 
 One table, QUANTIZERS, maps a variant's (precision, quantize mode) to the function that makes it
-(it returns the graph's interface and the weights it kept on their source grid); a new mode is one
-function and one row. Every mode keeps fp32 logits, and every mode's accuracy is
-then measured against the fp32 graph by the gates (compiler/accuracy.py), so nothing here has to
-guess what is good enough.
+(it returns the graph's interface, the weights it kept on their source grid and notes for the
+report); a new mode is one function and one row. Every mode keeps fp32 logits, and every mode's
+accuracy is then measured against the fp32 graph by the gates (compiler/accuracy.py), so nothing
+here has to guess what is good enough.
 
 - int8-dynamic, int4: weight-only blocks, ONNX Runtime's MatMulNBits (asymmetric, one scale and zero
   point per `block_size` weights along K) with accuracy_level 4, which quantizes each activation
@@ -17,6 +17,9 @@ guess what is good enough.
   int4 went from 72% top-1 agreement to 96.8% and from +30.8% perplexity to +0.18%.
   `rounding: gptq` rounds them by GPTQ instead of to the nearest level (compiler/gptq.py); on
   SmolLM2's int4 that lifts top-1 agreement from 72% to 78% on the held-out text.
+- int8-dynamic, int4: a quantized LM head's `exact_top_logits` highest logits are recomputed in
+  fp32 from its fp32 rows (_rescore_top_logits): SmolLM2's all-quantized int8 went from 97.3% to
+  98.1% top-1 agreement on the held-out text, int4 from 96.2% to 96.6%.
 - int8-static: explicit QuantizeLinear/DequantizeLinear pairs (QDQ), symmetric int8 activations and
   per-channel symmetric weights, the form TensorRT's parser and ONNX Runtime both take; activation
   ranges come from running calibration prompts (minmax, entropy or percentile).
@@ -56,6 +59,11 @@ class QuantizeError(ExportError):
     pass
 
 
+# What a mode returns: the graph's interface, the weights it kept on their source grid, and notes for
+# the variant's report.
+Made = tuple[dict[str, Any], list[str], dict[str, Any]]
+
+
 def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[int]], folder: Path
              ) -> tuple[OnnxArtifact, dict[str, Any]]:
     """Return the quantized graph in `folder`, and a report of what was quantized and what was kept."""
@@ -67,11 +75,11 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
     untie_transposed_weights(proto)
     layers = weight_matmuls(proto)
     excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
-    interface, exact = make(proto, source, variant, calibration, excluded, folder)
+    interface, exact, notes = make(proto, source, variant, calibration, excluded, folder)
     artifact = saved_graph(folder, interface, source.shapes)
     report = {"mode": mode or variant.precision, "weight_matmuls": len(layers),
               "kept_fp32": [layers[n] for n in excluded], "kept_source_grid": [layers[n] for n in exact],
-              "settings": variant.quantize.model_dump() if variant.quantize else {}}
+              "settings": variant.quantize.model_dump() if variant.quantize else {}, **notes}
     return artifact, report
 
 
@@ -83,9 +91,9 @@ def _matches(path: str, spec: Any) -> bool:
 
 # -- the modes -------------------------------------------------------------------------------------
 
-def _weight_blocks(bits: int) -> Callable[..., dict]:
+def _weight_blocks(bits: int) -> Callable[..., Made]:
     def make(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
-             folder: Path) -> dict:
+             folder: Path) -> Made:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         spec = variant.quantize
@@ -97,9 +105,8 @@ def _weight_blocks(bits: int) -> Callable[..., dict]:
         # Q4_1 step already.
         exact4 = _on_int4_grid(proto, spec.block_size, [*excluded, *exact]) if bits == 4 else []
         kept = [*excluded, *exact, *exact4]
-        head = lm_head(proto)
-        exact_rows = (_exact_rows(proto, head) if spec.exact_top_logits and head is not None
-                      and head not in excluded else None)
+        # Read before quantizing: the quantizer drops the head's fp32 weight where nothing else reads it.
+        exact_rows, rescoring = _rows_to_rescore(proto, spec.exact_top_logits, excluded)
         if spec.rounding == "gptq":
             model = proto
             rounded = [n for n in weight_matmuls(proto) if n not in kept]
@@ -115,7 +122,7 @@ def _weight_blocks(bits: int) -> Callable[..., dict]:
         if exact_rows is not None:
             _rescore_top_logits(model, exact_rows, spec.exact_top_logits)
         save_proto(model, folder)
-        return source.interface, sorted([*exact, *exact4])
+        return source.interface, sorted([*exact, *exact4]), {"exact_top_logits": rescoring}
 
     return make
 
@@ -132,7 +139,7 @@ def _gptq(proto: Any, source: OnnxArtifact, nodes: list[str], calibration: Seque
 
 
 def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Sequence[list[int]],
-                excluded: list[str], folder: Path) -> dict:
+                excluded: list[str], folder: Path) -> Made:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     spec = variant.quantize
@@ -156,11 +163,11 @@ def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration:
         raise QuantizeError(f"{variant.name}: calibration method {spec.method} failed in ONNX Runtime's "
                             f"calibrator ({exc}); use method: minmax") from None
     shutil.rmtree(work)
-    return source.interface, []
+    return source.interface, [], {}
 
 
 def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
-          folder: Path) -> dict:
+          folder: Path) -> Made:
     import onnx_ir as ir
     from onnx_ir.passes.common import TopologicalSortPass
     from onnxruntime.transformers.float16 import convert_float_to_float16
@@ -173,7 +180,7 @@ def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, 
     half = lambda entries: [{**e, "dtype": "float16"} if "{layer}" in e["name"] else e  # noqa: E731
                             for e in entries]
     return {**source.interface, "inputs": half(source.interface["inputs"]),
-            "outputs": half(source.interface["outputs"])}, []
+            "outputs": half(source.interface["outputs"])}, [], {}
 
 
 def _on_int8_grid(proto: Any, block_size: int, excluded: list[str]) -> list[str]:
@@ -323,10 +330,28 @@ class ExactRows:
     activation: str
     name: str
     vocab: int
+    hidden: int
     tensor: Any = None
 
 
+def _rows_to_rescore(proto: Any, top: int, excluded: list[str]) -> tuple[ExactRows | None, str]:
+    """The rows _rescore_top_logits will read, or None, and what the report says of it."""
+    head = lm_head(proto)
+    if not top:
+        return None, "off (exact_top_logits: 0)"
+    if head is None:
+        return None, ("off: no weight MatMul writes the logits (a bias, soft-capping or scaling follows the "
+                      "LM head)")
+    if head in excluded:
+        return None, "off: the LM head is kept in fp32"
+    rows = _exact_rows(proto, head)
+    source = ("the tied embedding table" if rows.tensor is None
+              else f"a copy of the head's fp32 weight ({rows.vocab * rows.hidden * 4 / 2**20:.0f} MiB)")
+    return rows, f"the top {min(top, rows.vocab)} logits recomputed in fp32 from {source}"
+
+
 def _exact_rows(proto: Any, head: str) -> ExactRows:
+    """The LM head's activation and fp32 rows: the embedding table if it holds the same numbers."""
     from onnx import numpy_helper
 
     weight = _weight_of(proto, head)
@@ -336,23 +361,25 @@ def _exact_rows(proto: Any, head: str) -> ExactRows:
         table = inits.get(node.input[0]) if node.op_type == "Gather" and node.input else None
         if table is not None and tuple(table.dims) == weight.shape[::-1]:
             if np.array_equal(numpy_helper.to_array(table), weight.T):
-                return ExactRows(activation, table.name, weight.shape[1])
+                return ExactRows(activation, table.name, *weight.shape[::-1])
     name = f"{head}_exact_rows"
-    return ExactRows(activation, name, weight.shape[1], numpy_helper.from_array(np.ascontiguousarray(weight.T), name))
+    copy = numpy_helper.from_array(np.ascontiguousarray(weight.T), name)
+    return ExactRows(activation, name, *weight.shape[::-1], copy)
 
 
 def _rescore_top_logits(model: Any, rows: ExactRows, top: int) -> None:
     """The quantized LM head's `top` highest logits recomputed exactly, from the fp32 weight rows.
 
-        h ──LM head (int8/int4)──> approx ──TopK──> index ─────────────────────┐
-        │                            │              └──Gather(rows)──┐          │
-        └──Unsqueeze───────────────────────────────────────────────MatMul──ScatterElements(approx)──> logits
+        h ──LM head (int8/int4)──> approx ──TopK──> index ──────────────────────────────────┐
+        │                            │              └──Gather(rows)──┐                       │
+        └──Unsqueeze────────────────────────────────────────────MatMul──Squeeze──ScatterElements(approx)──> logits
 
-    Why: the LM head's error comes from the fast kernels' int8 activations, and what a user sees of it
-    is the order of the top candidates (greedy tokens, top-k and top-p sampling); the rest of the
-    vocabulary barely moves the softmax. `top` rows cost `top` x hidden weights read a step, against
-    vocab x hidden for an fp32 head, so `exclude: auto` need not keep the head in fp32. Each row's
-    result depends on that row alone: batch invariance holds.
+    Why: what a user sees of the head's error is the order of the top candidates (greedy tokens,
+    top-k sampling), and that is where the error goes once the weights are exact (a head on its GGUF
+    Q8_0 grid: then all of it is the fast kernels' int8 activations). `top` rows cost `top` x hidden
+    weights read a step against vocab x hidden for an fp32 head, and a `top` x hidden activation per
+    position (`logits: all` prefills hold one per prompt token). The logits below the top stay the
+    quantized head's. Each row's result depends on that row alone: batch invariance holds.
     """
     from onnx import helper, numpy_helper
 
@@ -377,7 +404,7 @@ def _rescore_top_logits(model: Any, rows: ExactRows, top: int) -> None:
     ])
 
 
-QUANTIZERS: dict[tuple[str, str | None], Callable[..., dict]] = {
+QUANTIZERS: dict[tuple[str, str | None], Callable[..., Made]] = {
     ("fp32", "int8-dynamic"): _weight_blocks(bits=8),
     ("fp32", "int4"): _weight_blocks(bits=4),
     ("fp32", "int8-static"): _qdq_static,

@@ -118,7 +118,7 @@ class QuantizeSpec(_Strict):
     # int8-dynamic, int4, with the LM head quantized: its this-many highest logits recomputed in fp32
     # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens and top-k sampling
     # see the fp32 head's order; 0 turns it off.
-    exact_top_logits: int = Field(32, ge=0)
+    exact_top_logits: int = Field(32, ge=0, le=256)
 
     @field_validator("exclude", mode="before")
     @classmethod
@@ -132,6 +132,9 @@ class QuantizeSpec(_Strict):
         if self.rounding == "gptq" and self.mode == "int8-static":
             raise ValueError("rounding: gptq rounds weight blocks (int8-dynamic, int4); int8-static "
                              "calibrates activation ranges instead: drop rounding or change the mode")
+        if self.mode == "int8-static" and self.exact_top_logits and "exact_top_logits" in self.model_fields_set:
+            raise ValueError("exact_top_logits rescores a MatMulNBits LM head (int8-dynamic, int4); int8-static's "
+                             "QDQ head has none: drop exact_top_logits or change the mode")
         return self
 
 

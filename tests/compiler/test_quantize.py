@@ -50,15 +50,17 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
     assert ops.count("MatMul") >= 1  # lm_head kept in fp32 by exclude
     report = json.loads((quantized / entry["report"]).read_text())
     assert report["quantize"]["kept_fp32"] == ["lm_head"]
-    assert "TopK" not in ops  # an fp32 head has nothing to rescore
+    assert "TopK" not in ops and report["quantize"]["exact_top_logits"] == "off: the LM head is kept in fp32"
 
     for variant in ("cpu-int4", "cpu-int4-gptq"):
-        _, graph = _graph(quantized, variant)
+        entry, graph = _graph(quantized, variant)
         nbits = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
         assert {a.i for n in nbits for a in n.attribute if a.name == "bits"} == {4}
         assert not weight_matmuls(graph)  # every weight quantized, the LM head too
         ops = [n.op_type for n in graph.graph.node]
         assert ops.count("TopK") == 1 and ops.count("ScatterElements") == 1  # its top logits recomputed in fp32
+        note = json.loads((quantized / entry["report"]).read_text())["quantize"]["exact_top_logits"]
+        assert note.startswith("the top 32 logits recomputed in fp32 from a copy of the head's fp32 weight")
 
     for variant in ("cpu-int8-static", "trt-int8"):
         entry, graph = _graph(quantized, variant)

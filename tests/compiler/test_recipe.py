@@ -121,6 +121,12 @@ BAD = {
     "exclude neither globs nor auto": (
         ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-dynamic, exclude: automatic}}"),
         "variants.0.quantize.exclude: is 'automatic'; give a list of module-path globs such as [lm_head], or auto"),
+    "exact top logits on static int8": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-static, exact_top_logits: 16}}"),
+        "variants.0.quantize: exact_top_logits rescores a MatMulNBits LM head (int8-dynamic, int4); int8-static"),
+    "exact top logits too many": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int4, exact_top_logits: 4096}}"),
+        "variants.0.quantize.exact_top_logits: input should be less than or equal to 256"),
     "unknown gate": (("variants:\n", "validate: {gates: {top5: 0.9}}\nvariants:\n"),
                      "validate.gates.top5: unknown key; allowed keys here: top1_agreement, greedy_match"),
 }
