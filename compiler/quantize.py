@@ -311,9 +311,13 @@ def _encode_int4_grid(model: Any, names: list[str], block_size: int, bits: int) 
         fused.input[0] = summed[(activation, k)]
 
 
+def _logits_writer(graph: Any) -> Any:
+    return next((n for n in graph.node if "logits" in n.output), None)
+
+
 def lm_head(proto: Any) -> str | None:
     """The weight MatMul that writes the `logits` output (the LM head), or None if another op does."""
-    node = next((n for n in proto.graph.node if "logits" in n.output), None)
+    node = _logits_writer(proto.graph)
     weights = {i.name for i in proto.graph.initializer}
     if node is None or node.op_type != "MatMul" or node.input[1] not in weights:
         return None
@@ -324,8 +328,7 @@ def lm_head(proto: Any) -> str | None:
 class ExactRows:
     """What _rescore_top_logits reads: the LM head's activation, and its fp32 weight as rows [vocab,
     hidden] under `name`: the embedding table when the head is tied to it (no new bytes), else
-    `tensor`, a transposed copy to add (vocab x hidden x 4 bytes on disk; a step touches only the
-    rows it reads)."""
+    `tensor`, a transposed copy to add (vocab x hidden x 4 bytes on disk)."""
 
     activation: str
     name: str
@@ -336,9 +339,9 @@ class ExactRows:
 
 def _rows_to_rescore(proto: Any, top: int, excluded: list[str]) -> tuple[ExactRows | None, str]:
     """The rows _rescore_top_logits will read, or None, and what the report says of it."""
-    head = lm_head(proto)
     if not top:
         return None, "off (exact_top_logits: 0)"
+    head = lm_head(proto)
     if head is None:
         return None, ("off: no weight MatMul writes the logits (a bias, soft-capping or scaling follows the "
                       "LM head)")
@@ -386,8 +389,7 @@ def _rescore_top_logits(model: Any, rows: ExactRows, top: int) -> None:
     graph = model.graph
     if rows.tensor is not None:
         graph.initializer.append(rows.tensor)
-    head = next(n for n in graph.node if "logits" in n.output)
-    head.output[0] = "logits_quantized"
+    _logits_writer(graph).output[0] = "logits_quantized"
     graph.initializer.extend([numpy_helper.from_array(np.array([min(top, rows.vocab)], np.int64), "exact_top_k"),
                               numpy_helper.from_array(np.array([-1], np.int64), "exact_top_axis")])
     graph.node.extend([

@@ -116,8 +116,8 @@ class QuantizeSpec(_Strict):
     # (compiler/sensitivity.py; a per-group sensitivity table in its report).
     exclude: list[str] | Literal["auto"] = []
     # int8-dynamic, int4, with the LM head quantized: its this-many highest logits recomputed in fp32
-    # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens and top-k sampling
-    # see the fp32 head's order; 0 turns it off.
+    # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens see the fp32 head's
+    # order among them (the rest stay quantized); 0 turns it off.
     exact_top_logits: int = Field(32, ge=0, le=256)
 
     @field_validator("exclude", mode="before")
