@@ -272,11 +272,13 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits):
             assert error(rounded.model.model, i) > 5 * error(model, i)
 
 
-@pytest.mark.parametrize("variant", ["cpu-int8", "cpu-int4"])
+@pytest.mark.parametrize("variant", ["cpu-int8", "cpu-int4", "cpu-int4-gptq"])
 def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant):
     """int8 activation rounding turns a last-bit difference into another token, so a row's numbers
     must not depend on its neighbours: each row's logits batched equal its logits alone, bit for bit,
-    and greedy tokens match."""
+    and greedy tokens match. On a CPU with AVX2 but no AVX-512, the 4-bit kernel computes a lone row
+    of blocks of 32 (cpu-int4-gptq) differently, and this holds only through the backend's spare row
+    (runtime/backend.py, lone rows)."""
     generator = Generator.load(quantized, variant, threads=2)
     assert generator.backend.front_aligned
     rng = np.random.default_rng(3)

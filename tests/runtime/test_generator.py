@@ -209,3 +209,35 @@ def test_fused_graph_decodes_exactly_like_the_unfused_one(tiny_artifacts, family
     unfused = Generator.load(tiny_artifacts[family], "cpu-fp32-unfused").generate(prompts, params)
     assert [r.token_ids for r in fused] == [r.token_ids for r in unfused]
     assert [len(r.token_ids) for r in fused] == [3, 12, 7, 9]
+
+
+def test_lone_rows_run_beside_a_spare_with_the_same_numbers(tiny_artifacts, monkeypatch):
+    """Where a CPU's kernels give a row alone other numbers than the same row batched, the backend finds
+    out on load (min_rows = 2) and never runs a lone row (runtime/backend.py, lone rows). Forced here
+    on the fp32 tiny Llama: a lone sequence's steps beside a spare row, a batch shrinking to one, and a
+    one-token prompt prefilled beside longer ones (in a scratch cache) give the plain run's logits,
+    bit for bit, so the dummy rows touch nothing of the real ones."""
+    from runtime.backend import OnnxRuntimeBackend
+
+    plain = Generator.load(tiny_artifacts["llama"], threads=2)
+    spare = Generator.load(tiny_artifacts["llama"], threads=2)
+    assert isinstance(plain.backend.lone_row_differs(), bool)
+    spare.backend.min_rows = 2
+    used = {"dummy": 0, "scratch": 0}
+    dummy, scratch = OnnxRuntimeBackend._beside_dummy, OnnxRuntimeBackend._run_lone_row
+    monkeypatch.setattr(OnnxRuntimeBackend, "_beside_dummy", staticmethod(
+        lambda *a: used.__setitem__("dummy", used["dummy"] + 1) or dummy(*a)))
+    monkeypatch.setattr(OnnxRuntimeBackend, "_run_lone_row",
+                        lambda self, *a: used.__setitem__("scratch", used["scratch"] + 1) or scratch(self, *a))
+    prompts = [[5], [7, 8, 9, 10, 11], [12, 13]]
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True, logprobs=0) for n in (9, 5, 2)]
+    expected = [plain.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    alone = [spare.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
+    assert used == {"dummy": 8 + 4 + 1 + 1, "scratch": 0}  # every step of a lone sequence, the 1-token prefill too
+    together = spare.generate(prompts, params)
+    assert used["scratch"] == 1 and used["dummy"] > 14  # the batch ran its last steps with one row left
+    for results in (alone, together):
+        assert [r.token_ids for r in results] == [r.token_ids for r in expected]
+        assert [[t.logprob for t in r.logprobs] for r in results] == [[t.logprob for t in r.logprobs] for r in expected]
+    cache = spare.backend.new_cache(1, 4)
+    assert cache.batch == 1 and cache[0].shape[0] == 2
