@@ -235,9 +235,19 @@ def test_lone_rows_run_beside_a_spare_with_the_same_numbers(tiny_artifacts, monk
     alone = [spare.generate([p], q)[0] for p, q in zip(prompts, params, strict=True)]
     assert used == {"dummy": 8 + 4 + 1 + 1, "scratch": 0}  # every step of a lone sequence, the 1-token prefill too
     together = spare.generate(prompts, params)
-    assert used["scratch"] == 1 and used["dummy"] > 14  # the batch ran its last steps with one row left
+    assert used == {"dummy": 15, "scratch": 1}  # the one-token prompt's prefill, beside its dummy
     for results in (alone, together):
         assert [r.token_ids for r in results] == [r.token_ids for r in expected]
         assert [[t.logprob for t in r.logprobs] for r in results] == [[t.logprob for t in r.logprobs] for r in expected]
-    cache = spare.backend.new_cache(1, 4)
-    assert cache.batch == 1 and cache[0].shape[0] == 2
+    # A batch cut down to one row gets a spare; one grown from it turns the spare into a row.
+    backend, cache = spare.backend, spare.backend.new_cache(2, 8)
+    backend.run(np.array([[5, 6], [7, 8]]), np.ones((2, 2), np.int64), np.array([[0, 1], [0, 1]]), cache)
+    one = backend.keep_rows(cache, [1])
+    assert one.batch == 1 and one[0].shape[0] == 2
+    step = (np.array([[9]]), np.ones((1, 3), np.int64), np.array([[2]]))
+    lone, one = backend.run(*step, one)
+    reference = plain.backend.new_cache(1, 8)
+    plain.backend.run(np.array([[7, 8]]), np.ones((1, 2), np.int64), np.array([[0, 1]]), reference)
+    assert np.array_equal(lone, plain.backend.run(*step, reference)[0])
+    grown = backend.keep_rows(one, [0, -1])
+    assert grown.batch == 2 and grown[0].shape[0] == 2 and not grown[0][1].any()
