@@ -585,8 +585,11 @@ def _load(service: Service, server: Any) -> None:
         server.should_exit = True
         return
     engine = service.engine
+    # Worth a word: batch-1 steps are slower for it (runtime/backend.py, lone rows).
+    lone = (", a lone sequence decodes beside a spare row: this CPU's kernels compute one row unlike several"
+            if getattr(engine.backend, "min_rows", 1) > 1 else "")
     _say(f"ready in {time.perf_counter() - started:.1f} s (max context {engine.max_context}, "
-         f"max batch {engine.max_batch_size})")
+         f"max batch {engine.max_batch_size}{lone})")
 
 
 def _say(line: str) -> None:
