@@ -91,7 +91,11 @@ class Inputs:
 
 def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int, last: int | None = None) -> list[np.ndarray]:
     """Logits at every position of every row, [len(row), vocab], one decode step per column; with
-    `last`, at each row's last `last` positions only (rows are at least that long)."""
+    `last`, at each row's last `last` positions only (rows are at least that long). A backend that
+    scores a whole row in one forward pass (`forward_row`: eager torch) does that instead, a row at a
+    time: the reference's logits, without a step per column."""
+    if hasattr(backend, "forward_row"):
+        return [backend.forward_row(row, last) for row in rows]
     ids, mask = left_padded(rows, pad_id)
     width = ids.shape[1]
     kept = width if last is None else last
@@ -169,7 +173,8 @@ def spilled(run: Run, folder: Path) -> Run:
 
 
 def reference_run(backend: Any, inputs: Inputs) -> Run:
-    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id)  # first: it also warms the backend up
+    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id)
+    greedy(backend, inputs.prompts[:1], 1, inputs.pad_id)  # warms the decode steps up before they are timed
     continuations, prefill, seconds = _timed_greedy(backend, inputs)
     return Run(text, continuations, prefill, _continuation_logits(backend, inputs, continuations), seconds)
 

@@ -3,6 +3,11 @@
 With it, the accuracy code decodes an eager transformers model exactly as it decodes a compiled
 graph (same left padding, same prefill and decode steps), so an A/B comparison differs only in what
 computes the logits. The KV cache stays as torch tensors on the model's device between steps.
+
+Teacher-forced scoring (the held-out text, the prompts' continuations) is the exception:
+`forward_row` runs a row through the model in one pass, which gives the step-by-step logits up to
+fp32 rounding at a fraction of the time (every step re-enters transformers and grows the cache).
+A row at a time, so the logits held are one row's, [len(row), vocab].
 """
 
 from __future__ import annotations
@@ -40,7 +45,17 @@ class EagerBackend:
         model.to(device=self.device, dtype=self.dtype)
         self.shapes = shapes_of(model.config)
         self.vocab_size = self.shapes.vocab_size
+        self.model = model
         self.wrapper = _make_wrapper(model, self.shapes.layers, "last")
+
+    def forward_row(self, row: list[int], last: int | None = None) -> np.ndarray:
+        """The logits at every position of `row` ([len(row), vocab]), or at its last `last` positions."""
+        import torch
+
+        ids = torch.tensor([row], dtype=torch.int64, device=self.device)
+        with torch.inference_mode():
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=last or 0).logits[0]
+        return logits.float().cpu().numpy()
 
     def new_cache(self, batch: int, capacity: int) -> list[Any]:
         import torch

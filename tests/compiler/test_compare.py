@@ -183,3 +183,27 @@ def test_html_report_renders_in_headless_chromium(written_report, tmp_path):
     subprocess.run([CHROMIUM, *flags, "--window-size=1200,1600", f"--screenshot={shot}", url],
                    capture_output=True, timeout=120, check=True)
     assert shot.stat().st_size > 20_000  # a page with tables and two plots, not a blank one
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma2", "gpt2"])
+def test_eager_scores_a_row_in_one_pass_as_in_steps(tiny_checkpoints, family):
+    """The reference's teacher-forced logits come from one forward pass per row (EagerBackend.forward_row);
+    they equal one decode step per column over the left-padded rows, as every other backend is run,
+    to fp32 rounding, whole rows and their last positions alike."""
+    from transformers import AutoModelForCausalLM
+
+    from compiler.accuracy import teacher_forced
+    from compiler.eager import EagerBackend
+
+    class InSteps:  # the same backend, without forward_row
+        def __init__(self, backend: EagerBackend) -> None:
+            self.new_cache, self.run = backend.new_cache, backend.run
+
+    backend = EagerBackend(AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family]).eval())
+    rng = np.random.default_rng(0)
+    rows = [[int(t) for t in rng.integers(1, 200, n)] for n in (40, 17, 33)]
+    for last in (None, 9):
+        one_pass, in_steps = teacher_forced(backend, rows, 0, last), teacher_forced(InSteps(backend), rows, 0, last)
+        assert [a.shape for a in one_pass] == [(last or len(r), backend.vocab_size) for r in rows]
+        for a, b in zip(one_pass, in_steps, strict=True):
+            assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() and (a.argmax(-1) == b.argmax(-1)).all()
