@@ -161,9 +161,7 @@ class OnnxRuntimeBackend:
     def new_cache(self, batch: int, capacity: int) -> KvCache:
         """An empty cache for `batch` rows; a shared-buffer cache holds up to `capacity` slots."""
         slots = capacity if self.shared else self.lead
-        rows = len(self._with_spare(range(batch)))
-        arrays = [np.zeros((rows, self.kv_heads, slots, self.head_dim), self.kv_dtype) for _ in self.past_names]
-        return KvCache(arrays, 0, self.shared, batch)
+        return KvCache(self._zeros(len(self._with_spare(range(batch))), slots), 0, self.shared, batch)
 
     def keep_rows(self, cache: KvCache, rows: Sequence[int], front: int = 0, capacity: int | None = None) -> KvCache:
         """A cache of these rows of `cache`, in this order: a row may repeat (sequences forked from one
@@ -220,10 +218,12 @@ class OnnxRuntimeBackend:
         """Whether one token run alone gets other logits than the same token beside a copy of itself."""
         def run(rows: int) -> np.ndarray:
             token, position = np.ones((rows, 1), np.int64), np.zeros((rows, 1), np.int64)
-            arrays = [np.zeros((rows, self.kv_heads, 1, self.head_dim), self.kv_dtype) for _ in self.past_names]
-            return self._run_in_place(token, token, position, KvCache(arrays, 0, True))[0]
+            return self._run_in_place(token, token, position, KvCache(self._zeros(rows, 1), 0, True))[0]
 
         return not np.array_equal(run(1)[0], run(2)[0])
+
+    def _zeros(self, rows: int, slots: int) -> list[np.ndarray]:
+        return [np.zeros((rows, self.kv_heads, slots, self.head_dim), self.kv_dtype) for _ in self.past_names]
 
     def _with_spare(self, rows: Sequence[int]) -> list[int]:
         """`rows`, and an empty one after a lone row where the graph takes no lone rows (`min_rows`)."""
@@ -251,9 +251,8 @@ class OnnxRuntimeBackend:
             logits, cache = self._run_in_place(*self._beside_dummy(input_ids, lengths, position_ids, spare), cache)
             logits = logits[:rows]
         elif seq == 1 or (np.all(new == seq) and np.all(lengths == seq)):
-            front_mask = (np.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).astype(np.int64)
             target = KvCache([array[:rows] for array in cache], 0, True) if spare else cache
-            logits, _ = self._run_in_place(input_ids, front_mask, position_ids, target)
+            logits, _ = self._run_in_place(input_ids, front_mask(lengths), position_ids, target)
         else:  # a padded prefill, or a chunk after earlier ones: each row alone, without its pads
             logits = np.zeros((len(input_ids), 1 if self.logits_last else seq, self.vocab_size), np.float32)
             for row in np.flatnonzero(new):
@@ -274,9 +273,8 @@ class OnnxRuntimeBackend:
         """A one-token step's inputs with `dummies` rows after the real ones: token 0 at position 0, each
         row's mask one slot long, so the dummy's keys and values go to its own row's slot 0."""
         lengths = np.concatenate([lengths, np.ones(dummies, lengths.dtype)])
-        front_mask = (np.arange(int(lengths.max()))[None, :] < lengths[:, None]).astype(np.int64)
         pad = np.zeros((dummies, 1), np.int64)
-        return np.concatenate([input_ids, pad]), front_mask, np.concatenate([position_ids, pad])
+        return np.concatenate([input_ids, pad]), front_mask(lengths), np.concatenate([position_ids, pad])
 
     def _run_lone_row(self, token: int, position: int, length: int, row: KvCache) -> np.ndarray:
         """One new token for a row whose cache is the 1-row view `row` (slots 0 to length - 1 in use after
@@ -360,6 +358,11 @@ def write_right_aligned(arrays: list[np.ndarray], rows: Sequence[int], length: i
     target = slice(lead + length - source_length, lead + length)
     for array, source in zip(arrays, sources, strict=True):
         array[list(rows), :, target] = source[list(source_rows), :, lead:lead + source_length]
+
+
+def front_mask(lengths: np.ndarray) -> np.ndarray:
+    """The mask of rows stored from slot 0: row i's first lengths[i] slots (at least one column)."""
+    return (np.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).astype(np.int64)
 
 
 def with_leading_slot(attention_mask: np.ndarray) -> np.ndarray:
