@@ -54,7 +54,7 @@ from .recipe import (
     with_max_context,
 )
 from .report import write_report
-from .sensitivity import fewest_kept, layer_sensitivity, weight_groups, with_exclude
+from .sensitivity import layer_sensitivity, lightest_kept, weight_elements, weight_groups, with_exclude
 from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
 from .validate_export import CASES, eager_cases, validate_export
 
@@ -296,8 +296,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
 
 def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, reference: Run,
                   gates: dict[str, float], work: Path, log: StageLog) -> tuple[Variant, dict[str, Any]]:
-    """`quantize.exclude: auto` -> the variant with the fewest module groups in fp32 that meets its gates
-    (compiler/sensitivity.py), and the sensitivity table and attempts behind that choice."""
+    """`quantize.exclude: auto` -> the variant with the module groups in fp32 that lightest_kept finds meet
+    its gates (compiler/sensitivity.py), and the sensitivity table and attempts behind that choice."""
     calibration = data.calibration[variant.name]
     groups = weight_groups(graph)
     with log.step("sensitivity"), log.bar("module groups quantized alone", total=len(groups)) as advance:
@@ -306,9 +306,10 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
     log.note("sensitivity, most sensitive first (KL from fp32 with that group alone quantized, calibration "
              "prompts): " + ", ".join(f"{r['group']} {r['kl_divergence']:.2g}" for r in ranking[:6]))
     attempts: list[dict[str, Any]] = []
+    total = weight_elements(ranking)
 
-    def attempt(count: int) -> bool:
-        candidate = with_exclude(variant, [m for r in ranking[:count] for m in r["modules"]])
+    def attempt(kept: Sequence[dict[str, Any]]) -> bool:
+        candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])
         built, _ = quantize(graph, candidate, calibration, work / "search" / "quantized")
         if variant.target == "onnxruntime" and variant.fuse:
             built, _ = pack(built, work / "search" / "packed")
@@ -317,22 +318,24 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
         backend.close()
         shutil.rmtree(work / "search")
         failures = failed_gates(metrics, gates)
-        attempts.append({"groups_in_fp32": count, "top1_agreement": metrics["top1_agreement"],
+        share = weight_elements(kept) / total
+        attempts.append({"groups_in_fp32": len(kept), "groups": [r["group"] for r in kept],
+                         "weights_in_fp32": share, "top1_agreement": metrics["top1_agreement"],
                          "perplexity_change": metrics["perplexity_change"], "failed_gates": failures})
         verdict = f"missed {', '.join(failures)}" if failures else "passed"
-        log.note(f"  {count} of {len(ranking)} groups in fp32: top-1 {metrics['top1_agreement']:.3f}, perplexity "
-                 f"{metrics['perplexity_change']:+.2%}; {verdict}")
+        log.note(f"  {len(kept)} of {len(ranking)} groups in fp32 ({share:.1%} of the weights): top-1 "
+                 f"{metrics['top1_agreement']:.3f}, perplexity {metrics['perplexity_change']:+.2%}; {verdict}")
         return not failures
 
     with log.step("search"):
-        count = fewest_kept(ranking, attempt)
-    if count is None:
+        kept = lightest_kept(ranking, attempt)
+    if kept is None:
         log.note(f"exclude: auto: the gates are missed even with all {len(ranking)} groups in fp32; building "
                  "with none kept, so the gates report what quantizing costs")
-    kept = ranking[:count or 0]
+    met_gates, kept = kept is not None, kept or []
     return (with_exclude(variant, [m for r in kept for m in r["modules"]]),
             {"sensitivity": ranking, "attempts": attempts, "groups_in_fp32": [r["group"] for r in kept],
-             "met_gates": count is not None})
+             "weights_in_fp32": weight_elements(kept) / total, "met_gates": met_gates})
 
 
 def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path, log: StageLog,

@@ -7,16 +7,23 @@ Two steps, both measured under ONNX Runtime on the graphs that would ship:
    its next-token distributions from the fp32 graph's, teacher-forced over the calibration prompts.
    This is the per-layer table a user reads to see where accuracy goes; it reads the calibration set,
    not the held-out text the gates judge.
-2. Search (`fewest_kept`): the groups kept in fp32 are a prefix of that ranking, most sensitive first;
-   the shortest prefix whose variant meets the gates is found by doubling, then bisection. That takes
-   passing to be monotone in the prefix length, which holds when the groups' errors roughly add up;
-   every attempt is recorded, so a case where it does not shows in the report. The attempts are
-   gated on the gates' own held-out text and prompts, so for an `exclude: auto` variant those are
-   the search's stopping rule as well as its measurement, no longer an independent estimate.
+2. Search (`lightest_kept`): the groups kept in fp32 start as a prefix of that ranking, most sensitive
+   first: the shortest prefix whose variant meets the gates, found by doubling, then bisection
+   (`fewest_kept`). Then each kept group, heaviest first, is dropped if the variant still meets the
+   gates without it. Weights are what a decode step reads, so what stays in fp32 is its speed, and KL
+   is not what the gates measure: SmolLM2's LM head holds a fifth of its weights (as many as ten
+   MLPs) and ranks 4th by KL, yet with its top logits recomputed in fp32 (`exact_top_logits`) its
+   argmax hardly moves, so top-1 does not need it. Ranking by KL per weight instead was measured and
+   was worse there (34 groups, 364 MiB resident against 299). The prefix takes passing to be
+   monotone in its length, which holds when the groups' errors roughly add up; every attempt is
+   recorded, so a case where it does not shows in the report. The attempts are gated on the gates'
+   own held-out text and prompts, so for an `exclude: auto` variant those are the search's stopping
+   rule as well as its measurement, no longer an independent estimate.
 """
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -40,16 +47,24 @@ def module_groups(paths: Sequence[str]) -> dict[str, list[str]]:
     return groups
 
 
-def weight_groups(source: OnnxArtifact) -> dict[str, list[str]]:
-    """module_groups of the weight MatMuls the quantizer sees: a tied LM head's too, which reads the
-    embedding through a Transpose until the quantizer unties it. Only the tied weight is read."""
+def weight_groups(source: OnnxArtifact) -> dict[str, dict[str, int]]:
+    """{group: {module path: its weights' element count}} (module_groups) of the weight MatMuls the
+    quantizer sees: a tied LM head's too, which reads the embedding through a Transpose until the
+    quantizer unties it. Only the tied weight is read."""
     import onnx
 
     from .quantize import untie_transposed_weights, weight_matmuls
 
     proto = onnx.load(str(source.model_path), load_external_data=False)
     untie_transposed_weights(proto, str(source.folder))
-    return module_groups(list(weight_matmuls(proto).values()))
+    elements = {i.name: math.prod(i.dims) for i in proto.graph.initializer}
+    weights = {n.name: n.input[1] for n in proto.graph.node if len(n.input) > 1}
+    matmuls = weight_matmuls(proto)
+    per_path: dict[str, int] = {}
+    for node, path in matmuls.items():
+        per_path[path] = per_path.get(path, 0) + elements[weights[node]]
+    return {group: {path: per_path[path] for path in dict.fromkeys(paths)}
+            for group, paths in module_groups(list(matmuls.values())).items()}
 
 
 def with_exclude(variant: Variant, paths: Sequence[str]) -> Variant:
@@ -65,11 +80,12 @@ def calibration_rows(calibration: Sequence[list[int]]) -> list[list[int]]:
     return [stream[i:i + SENSITIVITY_ROW_TOKENS] for i in range(0, len(stream) - 1, SENSITIVITY_ROW_TOKENS)]
 
 
-def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, list[str]],
+def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, dict[str, int]],
                       calibration: Sequence[list[int]], pad_id: int, folder: Path,
                       on_group: Callable[[], None] | None = None) -> list[dict[str, Any]]:
-    """One record per module group, most sensitive first: {group, modules, kl_divergence (mean),
-    kl_divergence_max, top1_agreement} of the variant with only that group quantized, against `source`."""
+    """One record per module group (weight_groups), most sensitive first: {group, modules, weight_elements,
+    kl_divergence (mean), kl_divergence_max, top1_agreement} of the variant with only that group
+    quantized, against `source`."""
     from runtime.backend import OnnxRuntimeBackend
 
     from .quantize import quantize
@@ -89,7 +105,8 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
         shutil.rmtree(folder)
         kl = np.concatenate([kl_divergence(r, c) for r, c in zip(reference, logits, strict=True)])
         agree = np.concatenate([r.argmax(-1) == c.argmax(-1) for r, c in zip(reference, logits, strict=True)])
-        records.append({"group": group, "modules": members, "kl_divergence": float(kl.mean()),
+        records.append({"group": group, "modules": list(members), "weight_elements": sum(members.values()),
+                        "kl_divergence": float(kl.mean()),
                         "kl_divergence_max": float(kl.max()), "top1_agreement": float(agree.mean())})
         if on_group:
             on_group()
@@ -117,3 +134,31 @@ def fewest_kept(ranking: Sequence[dict[str, Any]], attempt: Callable[[int], bool
         middle = (low + high) // 2
         low, high = (middle, high) if not passes(middle) else (low, middle)
     return high
+
+
+def weight_elements(groups: Sequence[dict[str, Any]]) -> int:
+    return sum(r["weight_elements"] for r in groups)
+
+
+def lightest_kept(ranking: Sequence[dict[str, Any]],
+                  attempt: Callable[[Sequence[dict[str, Any]]], bool]) -> list[dict[str, Any]] | None:
+    """The groups of `ranking` (most sensitive first) to keep in fp32, where `attempt(groups)` keeps those
+    in fp32, builds, measures and gates: the shortest passing prefix, less each of its groups, heaviest
+    first, that it passes without; None if even all of them do not pass. A set is attempted once."""
+    tried: dict[frozenset[str], bool] = {}
+
+    def passes(groups: Sequence[dict[str, Any]]) -> bool:
+        key = frozenset(r["group"] for r in groups)
+        if key not in tried:
+            tried[key] = attempt(groups)
+        return tried[key]
+
+    count = fewest_kept(ranking, lambda n: passes(ranking[:n]))
+    if count is None:
+        return None
+    kept = list(ranking[:count])
+    for group in sorted(kept, key=lambda r: -r["weight_elements"]):
+        fewer = [r for r in kept if r is not group]
+        if passes(fewer):
+            kept = fewer
+    return kept

@@ -1,4 +1,4 @@
-"""`quantize.exclude: auto`: the sensitivity table and the search for the fewest groups kept in fp32,
+"""`quantize.exclude: auto`: the sensitivity table and the search for the groups kept in fp32,
 compiled for real on the tiny Llama."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import pytest
 
 from compiler.pipeline import compile_recipe
 from compiler.quantize import weight_matmuls
-from compiler.sensitivity import fewest_kept, module_groups
-from tests.conftest import write_recipe
+from compiler.sensitivity import fewest_kept, lightest_kept, module_groups
+from tests.conftest import VOCAB, write_recipe
 
 
 def test_module_groups_are_parent_modules_in_graph_order():
@@ -40,6 +40,33 @@ def test_the_search_says_when_nothing_passes():
     assert fewest_kept([{"group": "a"}, {"group": "b"}, {"group": "c"}], lambda count: False) is None
 
 
+# (group, KL quantized alone, weight elements, what it costs the gates quantized): a heavy LM head high
+# in KL that the gates hardly see, as SmolLM2's with its top logits recomputed in fp32.
+GROUPS = [("a", 6.0, 10, 4.0), ("lm_head", 5.0, 100, 0.1), ("b", 3.0, 10, 3.0), ("c", 1.0, 10, 1.0),
+          ("d", 0.6, 10, 0.6)]
+
+
+@pytest.mark.parametrize("allowed, kept", [
+    (9.0, []),  # nothing needs keeping
+    (5.0, ["a"]),
+    (2.0, ["a", "b"]),  # the prefix a, LM head, b; then the LM head is dropped, the rest still needed
+    (0.05, ["a", "lm_head", "b", "c", "d"]),
+    (-1.0, None)])  # not even all of them
+def test_the_search_keeps_a_prefix_by_kl_less_what_the_gates_pass_without(allowed, kept):
+    ranking = [{"group": g, "kl_divergence": kl, "weight_elements": w} for g, kl, w, _ in GROUPS]
+    tried = []
+
+    def attempt(groups):  # passes when the cost of what stays quantized adds up to at most `allowed`
+        tried.append([r["group"] for r in groups])
+        return sum(cost for g, _, _, cost in GROUPS if g not in tried[-1]) <= allowed
+
+    found = lightest_kept(ranking, attempt)
+    assert (found if found is None else [r["group"] for r in found]) == kept
+    for group in kept or []:  # none of what it kept could go: each was tried without
+        assert [g for g in kept if g != group] in tried
+    assert len(tried) == len({frozenset(t) for t in tried})  # a set of groups built once
+
+
 def _compile(tiny_checkpoints, root, gates):
     root.mkdir()
     variants = f"  - {{name: cpu-int4, target: onnxruntime, quantize: {{mode: int4, exclude: auto}}, gates: {gates}}}\n"
@@ -51,7 +78,7 @@ def _compile(tiny_checkpoints, root, gates):
     return artifact, entry, json.loads((artifact / entry["report"]).read_text())
 
 
-def test_exclude_auto_keeps_the_fewest_sensitive_groups_that_meet_the_gates(tiny_checkpoints, tmp_path):
+def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints, tmp_path):
     # Unreachable (fp32 itself is not that close to eager): every prefix is tried and recorded, and the
     # variant is built with nothing kept, failing its gate, so the user sees what quantizing costs.
     _, entry, report = _compile(tiny_checkpoints, tmp_path / "unreachable", "{max_logit_error: 1.0e-12}")
@@ -61,11 +88,13 @@ def test_exclude_auto_keeps_the_fewest_sensitive_groups_that_meet_the_gates(tiny
         ["lm_head", *(f"model.layers.{i}.{part}" for i in (0, 1) for part in ("self_attn", "mlp"))])
     kls = [r["kl_divergence"] for r in found["sensitivity"]]
     assert kls == sorted(kls, reverse=True) and kls[0] > 0
+    weights = {r["group"]: r["weight_elements"] for r in found["sensitivity"]}
+    assert weights["lm_head"] == VOCAB * 64 and weights["model.layers.0.mlp"] == 3 * 64 * 128  # tiny Llama's shapes
     assert [a["groups_in_fp32"] for a in found["attempts"]] == [0, 1, 2, 4, 5]
     assert entry["status"] == "failed" and report["quantize"]["kept_fp32"] == []
 
-    # A gate between what two and what one group in fp32 measured: the search keeps two (or fewer, if
-    # fewer already pass), the most sensitive ones, and every smaller count it tried failed.
+    # A gate between what two and what one group in fp32 measured: the search keeps at most those two,
+    # the most sensitive, less any the gate passes without; every lighter attempt failed.
     top1 = {a["groups_in_fp32"]: a["top1_agreement"] for a in found["attempts"]}
     assert top1[5] == 1.0 and top1[0] < top1[2]
     threshold = top1[2]
@@ -73,9 +102,11 @@ def test_exclude_auto_keeps_the_fewest_sensitive_groups_that_meet_the_gates(tiny
     found = report["exclude_auto"]
     assert entry["status"] == "built" and found["met_gates"]
     kept = found["groups_in_fp32"]
-    assert kept == [r["group"] for r in found["sensitivity"][:len(kept)]] and 0 < len(kept) <= 2
-    assert all(a["failed_gates"] for a in found["attempts"] if a["groups_in_fp32"] < len(kept))
-    modules = [m for r in found["sensitivity"][:len(kept)] for m in r["modules"]]
+    assert 0 < len(kept) <= 2 and set(kept) <= {r["group"] for r in found["sensitivity"][:2]}
+    assert found["weights_in_fp32"] == sum(weights[g] for g in kept) / sum(weights.values())
+    tried = {frozenset(a["groups"]): a["failed_gates"] for a in found["attempts"]}
+    assert not tried[frozenset(kept)] and all(tried[frozenset(kept) - {g}] for g in kept)
+    modules = [m for r in found["sensitivity"] if r["group"] in kept for m in r["modules"]]
     assert sorted(report["quantize"]["kept_fp32"]) == sorted(modules)
     assert entry["accuracy"]["top1_agreement"] >= threshold
     markdown = (artifact / "reports" / "cpu-int4.md").read_text()
