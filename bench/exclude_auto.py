@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
@@ -29,22 +30,31 @@ from peers import ALONE_PROMPTS, BATCHES, PROMPTS, Kiln, chat_prompts, timed_cel
 
 
 def prefix_variant(artifact: Path, variant: str, work: Path) -> tuple[Path, dict]:
-    """The artifact's variant rebuilt with the search's first passing prefix kept in fp32, and that attempt."""
+    """The artifact's variant rebuilt with the search's shortest passing prefix kept in fp32 (once, in
+    `work`, stamped with what it was built from), and that attempt."""
     manifest = json.loads((artifact / "manifest.json").read_text())
     report = json.loads((artifact / manifest["variants"][variant]["report"]).read_text())
     found = report["exclude_auto"]
     modules = {r["group"]: r["modules"] for r in found["sensitivity"]}
-    passing = [a for a in found["attempts"] if not a["failed_gates"]]
-    prefix = next(a for a in passing if a["groups"] == [r["group"] for r in found["sensitivity"]][:len(a["groups"])])
-    out = work / "prefix"
-    if not (out / "manifest.json").exists():
+    ranked = [r["group"] for r in found["sensitivity"]]
+    prefixes = [a for a in found["attempts"] if not a["failed_gates"] and a.get("groups") == ranked[:len(a["groups"])]]
+    if not found["met_gates"] or not prefixes:
+        sys.exit(f"exclude_auto.py: {variant}'s search in {artifact} has no passing prefix to compare against "
+                 "(it missed its gates, or the artifact predates the search's drop step): recompile it")
+    prefix = min(prefixes, key=lambda a: len(a["groups"]))
+    out, stamp = work / "prefix", {"artifact": str(artifact.resolve()), "variant": variant, "groups": prefix["groups"]}
+    built = (out / "manifest.json").exists() and (work / "stamp.json").exists()
+    if not built or json.loads((work / "stamp.json").read_text()) != stamp:
         import yaml
 
-        recipe = manifest["recipe"]  # its data paths: relative to the main recipe's folder
+        shutil.rmtree(out, ignore_errors=True)
+        recipe = manifest["recipe"]  # data paths: the main recipe's, relative to recipes/
         for key in ("prompts", "text"):
             if recipe["validate"].get(key):
                 recipe["validate"][key] = str(ROOT / "recipes" / recipe["validate"][key])
         entry = next(v for v in recipe["variants"] if v["name"] == variant)
+        if entry["quantize"].get("calibration"):
+            entry["quantize"]["calibration"] = str(ROOT / "recipes" / entry["quantize"]["calibration"])
         entry["quantize"]["exclude"] = [m for g in prefix["groups"] for m in modules[g]]
         recipe["variants"] = [entry]
         work.mkdir(parents=True, exist_ok=True)
@@ -52,6 +62,7 @@ def prefix_variant(artifact: Path, variant: str, work: Path) -> tuple[Path, dict
         print(f"compiling {variant} with the prefix of {len(prefix['groups'])} groups kept", file=sys.stderr)
         subprocess.run([sys.executable, "-c", "from compiler.cli import main; main()", str(work / "recipe.yaml"),
                         "--out", str(out), "--keep-failed"], check=True, cwd=ROOT)
+        (work / "stamp.json").write_text(json.dumps(stamp))
     return out, prefix
 
 
@@ -98,7 +109,7 @@ def main() -> None:
     Path(args.output).write_text(json.dumps({"artifact": str(artifact), "variant": args.variant,
                                              "rounds": args.rounds, "threads": args.threads,
                                              "rows": results}, indent=1) + "\n")
-    print("| kept in fp32 | groups | weights in fp32 | b1 tok/s | b8 | b32 | top-1 | ppl change |")
+    print("| kept in fp32 | groups | MatMul weights in fp32 | b1 tok/s | b8 | b32 | top-1 | ppl change |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
         print(f"| {r['label']} | {len(r['groups'])} | {r['weights_in_fp32']:.1%} | {r['b1_tokens_per_s']:.1f} | "

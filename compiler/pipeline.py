@@ -306,7 +306,7 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
     log.note("sensitivity, most sensitive first (KL from fp32 with that group alone quantized, calibration "
              "prompts): " + ", ".join(f"{r['group']} {r['kl_divergence']:.2g}" for r in ranking[:6]))
     attempts: list[dict[str, Any]] = []
-    total = weight_elements(ranking)
+    total = weight_elements(ranking) or 1
 
     def attempt(kept: Sequence[dict[str, Any]]) -> bool:
         candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])
@@ -323,7 +323,7 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
                          "weights_in_fp32": share, "top1_agreement": metrics["top1_agreement"],
                          "perplexity_change": metrics["perplexity_change"], "failed_gates": failures})
         verdict = f"missed {', '.join(failures)}" if failures else "passed"
-        log.note(f"  {len(kept)} of {len(ranking)} groups in fp32 ({share:.1%} of the weights): top-1 "
+        log.note(f"  {len(kept)} of {len(ranking)} groups in fp32 ({share:.1%} of the MatMul weights): top-1 "
                  f"{metrics['top1_agreement']:.3f}, perplexity {metrics['perplexity_change']:+.2%}; {verdict}")
         return not failures
 

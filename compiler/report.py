@@ -80,8 +80,8 @@ def _speed_note(report: dict[str, Any]) -> str:
     return "tokens/s from one timed run each" if repeats == 1 else f"tokens/s: medians of {repeats} interleaved runs"
 
 
-SENSITIVITY_COLUMNS = ["rank", "module group", "weights", "KL mean", "KL max", "top-1", "in fp32"]
-ATTEMPT_COLUMNS = ["groups in fp32", "weights in fp32", "top-1", "perplexity change", "result"]
+SENSITIVITY_COLUMNS = ["rank", "module group", "MatMul weights", "KL mean", "KL max", "top-1", "in fp32"]
+ATTEMPT_COLUMNS = ["groups in fp32", "MatMul weights in fp32", "top-1", "perplexity change", "result"]
 
 
 def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[list[str]]] | None:
@@ -102,7 +102,7 @@ def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[lis
                  "pass" if not a["failed_gates"] else "missed " + ", ".join(a["failed_gates"])]
                 for a in found["attempts"]]
     outcome = (f"{len(kept)} of {len(groups)} module groups kept in fp32 "
-               f"({found.get('weights_in_fp32', 0):.1%} of the weights)"
+               f"({found.get('weights_in_fp32', 0):.1%} of the MatMul weights)"
                if found["met_gates"] else f"no count of the {len(groups)} module groups in fp32 met the gates; "
                "built with none kept")
     sentence = (f"quantize.exclude: auto. Each module group quantized alone, the rest fp32, against the fp32 graph "

@@ -62,7 +62,7 @@ def test_the_search_keeps_a_prefix_by_kl_less_what_the_gates_pass_without(allowe
 
     found = lightest_kept(ranking, attempt)
     assert (found if found is None else [r["group"] for r in found]) == kept
-    for group in kept or []:  # none of what it kept could go: each was tried without
+    for group in kept or []:  # here each kept group was tried without, after the last drop
         assert [g for g in kept if g != group] in tried
     assert len(tried) == len({frozenset(t) for t in tried})  # a set of groups built once
 
