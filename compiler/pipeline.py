@@ -317,6 +317,7 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
         metrics = measure(backend, data.inputs, reference)["summary"]
         backend.close()
         shutil.rmtree(work / "search")
+        release_freed_memory()  # the attempt's graphs and session, before the next one builds its own
         failures = failed_gates(metrics, gates)
         share = weight_elements(kept) / total
         attempts.append({"groups_in_fp32": len(kept), "groups": [r["group"] for r in kept],

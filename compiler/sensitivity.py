@@ -33,6 +33,7 @@ import numpy as np
 
 from .accuracy import kl_divergence, teacher_forced
 from .export import OnnxArtifact
+from .progress import release_freed_memory
 from .recipe import Variant
 
 SENSITIVITY_ROW_TOKENS = 64  # the calibration prompts, joined and cut into teacher-forced rows this long
@@ -103,6 +104,7 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
         logits = teacher_forced(backend, rows, pad_id)
         backend.close()
         shutil.rmtree(folder)
+        release_freed_memory()  # this group's graph and session, before the next group's
         kl = np.concatenate([kl_divergence(r, c) for r, c in zip(reference, logits, strict=True)])
         agree = np.concatenate([r.argmax(-1) == c.argmax(-1) for r, c in zip(reference, logits, strict=True)])
         records.append({"group": group, "modules": list(members), "weight_elements": sum(members.values()),
