@@ -15,7 +15,7 @@ unchanged.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -37,9 +37,19 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
 
 
+# Metrics walk a row's positions in blocks of this many: a row's vocabulary-sized temporaries at
+# once (log-softmax, differences) would be several copies of the row (50 MB each at 256 x 49k).
+POSITION_BLOCK = 64
+
+
 def perplexity(logits: Iterable[np.ndarray], targets: Sequence[Sequence[int]]) -> float:
     """exp(mean negative log-likelihood); logits[i][t] predicts targets[i][t]."""
-    nll = [-log_softmax(lg)[np.arange(len(tg)), tg] for lg, tg in zip(logits, targets, strict=True)]
+    nll = []
+    for lg, tg in zip(logits, targets, strict=True):
+        tg = np.asarray(tg, np.int64)
+        for start in range(0, len(tg), POSITION_BLOCK):
+            block = tg[start:start + POSITION_BLOCK]
+            nll.append(-log_softmax(lg[start:start + len(block)])[np.arange(len(block)), block])
     return float(np.exp(np.concatenate(nll).mean()))
 
 
@@ -48,10 +58,12 @@ def agreement(reference: Sequence[np.ndarray], candidate: Sequence[np.ndarray]) 
     agree = positions = 0
     worst, total = 0.0, 0.0
     for ref, out in zip(reference, candidate, strict=True):
-        error = np.abs(out - ref)
-        agree += int((ref.argmax(-1) == out.argmax(-1)).sum())
+        for start in range(0, len(ref), POSITION_BLOCK):
+            r, o = ref[start:start + POSITION_BLOCK], out[start:start + POSITION_BLOCK]
+            error = np.abs(o - r)
+            agree += int((r.argmax(-1) == o.argmax(-1)).sum())
+            worst, total = max(worst, float(error.max())), total + float(error.sum(dtype=np.float64))
         positions += len(ref)
-        worst, total = max(worst, float(error.max())), total + float(error.sum(dtype=np.float64))
     return {"top1_agreement": agree / positions, "max_logit_error": worst,
             "mean_logit_error": total / (positions * reference[0].shape[-1])}
 
@@ -89,28 +101,47 @@ class Inputs:
     pad_id: int
 
 
-def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int, last: int | None = None) -> list[np.ndarray]:
+def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int, last: int | None = None,
+                   into: Path | None = None) -> Sequence[np.ndarray]:
     """Logits at every position of every row, [len(row), vocab], one decode step per column; with
     `last`, at each row's last `last` positions only (rows are at least that long). A backend that
     scores a whole row in one forward pass (`forward_row`: eager torch) does that instead, a row at a
-    time: the reference's logits, without a step per column."""
+    time: the reference's logits, without a step per column. With `into` (a file), the logits are
+    written there as they come and read back a row at a time (RowsOnDisk): the process never holds
+    more than one step's, or one row's."""
     if hasattr(backend, "forward_row"):
-        return [backend.forward_row(row, last) for row in rows]
+        scored = (backend.forward_row(row, last) for row in rows)
+        return RowsOnDisk.written(scored, into) if into else list(scored)
     ids, mask = left_padded(rows, pad_id)
     width = ids.shape[1]
     kept = width if last is None else last
     cache = backend.new_cache(len(rows), width)
     stacked = None  # [rows, kept, vocab], written step by step: one copy of the logits, not two
-    for t in range(width):
-        positions = np.clip(mask[:, :t + 1].sum(-1, keepdims=True) - 1, 0, None)
-        logits, cache = backend.run(ids[:, t:t + 1], mask[:, :t + 1], positions, cache)
-        if stacked is None:
-            stacked = np.empty((len(rows), kept, logits.shape[-1]), logits.dtype)
-        if t >= width - kept:
-            stacked[:, t - (width - kept)] = logits[:, -1]
-    if last is not None:
-        return list(stacked)
-    return [stacked[i, width - len(row):] for i, row in enumerate(rows)]
+    written: tuple[int, np.dtype] | None = None  # with `into`: the file's vocab and dtype
+    with open(into, "wb") if into else contextlib.nullcontext() as sink:
+        for t in range(width):
+            positions = np.clip(mask[:, :t + 1].sum(-1, keepdims=True) - 1, 0, None)
+            logits, cache = backend.run(ids[:, t:t + 1], mask[:, :t + 1], positions, cache)
+            if t < width - kept:
+                continue
+            column = t - (width - kept)
+            if sink:  # the same [rows, kept, vocab] layout, in the file
+                step = np.ascontiguousarray(logits[:, -1])
+                for i, row_logits in enumerate(step):
+                    sink.seek((i * kept + column) * row_logits.nbytes)
+                    sink.write(row_logits.data)
+                written = step.shape[-1], step.dtype
+                continue
+            if stacked is None:
+                stacked = np.empty((len(rows), kept, logits.shape[-1]), logits.dtype)
+            stacked[:, column] = logits[:, -1]
+    firsts = [0 if last is not None else width - len(row) for row in rows]
+    if written:
+        vocab, dtype = written
+        size = vocab * dtype.itemsize
+        return RowsOnDisk(into, [((i * kept + first) * size, (kept - first, vocab), dtype)
+                                 for i, first in enumerate(firsts)])
+    return [stacked[i, first:] for i, first in enumerate(firsts)]
 
 
 def greedy(backend: Any, prompts: Sequence[list[int]], new_tokens: int,
@@ -142,19 +173,30 @@ class Run:
 
 
 class RowsOnDisk(Sequence[np.ndarray]):
-    """Arrays written to a file and read back one at a time with plain reads (not mapped, so what
-    was read leaves the resident set with the array). The reference's logits are vocabulary-sized
-    whatever the model (0.3 GiB at SmolLM2's 49k vocabulary, 0.9 GiB at 152k) and every variant's
-    comparison reads them row by row, so they need not stay resident beside each variant's own."""
+    """Arrays in a file, read back one at a time with plain reads (not mapped, so what was read
+    leaves the resident set with the array). Logits are vocabulary-sized whatever the model (0.3 GiB
+    at SmolLM2's 49k vocabulary over the validation text and prompts, 0.9 GiB at 152k), and the
+    comparison reads them row by row, so neither side's need stay resident."""
 
-    def __init__(self, rows: Sequence[np.ndarray], path: Path) -> None:
-        self.path, self._rows = path, []
+    def __init__(self, path: Path, rows: list[tuple[int, tuple[int, ...], np.dtype]]) -> None:
+        self.path, self._rows = path, rows  # (offset, shape, dtype) of each
+
+    @classmethod
+    def written(cls, rows: Iterable[np.ndarray], path: Path) -> RowsOnDisk:
+        """`rows` written to `path` one after another, each as it comes."""
+        table = []
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
             for row in rows:
                 row = np.ascontiguousarray(row)
-                self._rows.append((handle.tell(), row.shape, row.dtype))
+                table.append((handle.tell(), row.shape, row.dtype))
                 handle.write(row.data)
+        return cls(path, table)
+
+    def without_last(self) -> RowsOnDisk:
+        """The same rows, each without its last position."""
+        return RowsOnDisk(self.path, [(offset, (shape[0] - 1, *shape[1:]), dtype)
+                                      for offset, shape, dtype in self._rows])
 
     def __len__(self) -> int:
         return len(self._rows)
@@ -165,24 +207,26 @@ class RowsOnDisk(Sequence[np.ndarray]):
         return np.fromfile(self.path, dtype=dtype, count=count, offset=offset).reshape(shape)
 
 
-def spilled(run: Run, folder: Path) -> Run:
-    """The run with its logits rows on disk in `folder` (see RowsOnDisk)."""
-    return dataclasses.replace(run, text_logits=RowsOnDisk(run.text_logits, folder / "text-logits.bin"),
-                               continuation_logits=RowsOnDisk(run.continuation_logits,
-                                                              folder / "continuation-logits.bin"))
-
-
-def reference_run(backend: Any, inputs: Inputs) -> Run:
-    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id)
+def reference_run(backend: Any, inputs: Inputs, into: Path | None = None) -> Run:
+    """The reference side's run; with `into` (a folder), its logits written there as they come."""
+    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id, into=_file(into, "text-logits.bin"))
     greedy(backend, inputs.prompts[:1], 1, inputs.pad_id)  # warms the decode steps up before they are timed
     continuations, prefill, seconds = _timed_greedy(backend, inputs)
-    return Run(text, continuations, prefill, _continuation_logits(backend, inputs, continuations), seconds)
+    return Run(text, continuations, prefill, _continuation_logits(backend, inputs, continuations, into), seconds)
 
 
-def candidate_run(backend: Any, inputs: Inputs, reference: Run) -> Run:
-    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id)
+def candidate_run(backend: Any, inputs: Inputs, reference: Run, into: Path | None = None) -> Run:
+    text = teacher_forced(backend, inputs.text_rows, inputs.pad_id, into=_file(into, "text-logits.bin"))
     continuations, prefill, seconds = _timed_greedy(backend, inputs)
-    return Run(text, continuations, prefill, _continuation_logits(backend, inputs, reference.continuations), seconds)
+    return Run(text, continuations, prefill, _continuation_logits(backend, inputs, reference.continuations, into),
+               seconds)
+
+
+def _file(folder: Path | None, name: str) -> Path | None:
+    if folder is None:
+        return None
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder / name
 
 
 def _timed_greedy(backend: Any, inputs: Inputs) -> tuple[list[list[int]], np.ndarray, float]:
@@ -201,17 +245,23 @@ def side_by_side_seconds(backends: Sequence[Any], inputs: Inputs, repeats: int) 
     return [float(np.median(times)) for times in seconds]
 
 
-def _continuation_logits(backend: Any, inputs: Inputs, continuations: list[list[int]]) -> list[np.ndarray]:
+def _continuation_logits(backend: Any, inputs: Inputs, continuations: list[list[int]],
+                         into: Path | None = None) -> Sequence[np.ndarray]:
     rows = [p + c for p, c in zip(inputs.prompts, continuations, strict=True)]
     # Position len(prompt) - 1 predicts the first new token; the last position predicts nothing we keep.
-    # Only those positions are kept: the prompts' own logits are over as many again.
-    logits = teacher_forced(backend, rows, inputs.pad_id, last=inputs.new_tokens + 1)
+    # Only those positions are kept (the prompts' own logits are over as many again), and the last is
+    # dropped where each row is read: new_tokens of them.
+    logits = teacher_forced(backend, rows, inputs.pad_id, last=inputs.new_tokens + 1,
+                            into=_file(into, "continuation-logits.bin"))
+    if isinstance(logits, RowsOnDisk):
+        return logits.without_last()
     return [lg[:-1] for lg in logits]
 
 
-def measure(backend: Any, inputs: Inputs, reference: Run) -> dict[str, Any]:
-    """Every metric of the model behind `backend` against the reference run."""
-    return compare_runs(reference, candidate_run(backend, inputs, reference), inputs)
+def measure(backend: Any, inputs: Inputs, reference: Run, into: Path | None = None) -> dict[str, Any]:
+    """Every metric of the model behind `backend` against the reference run; with `into` (a folder),
+    the candidate's logits go there as they come (see teacher_forced), not into memory."""
+    return compare_runs(reference, candidate_run(backend, inputs, reference, into), inputs)
 
 
 def compare_runs(reference: Run, candidate: Run, inputs: Inputs) -> dict[str, Any]:

@@ -13,6 +13,7 @@ the same functions with eager torch as A and each variant as B.
 from __future__ import annotations
 
 import datetime
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -212,12 +213,13 @@ def compare(a: Side, b: Side, inputs: Inputs, prompts: list[str], gates: dict[st
             speed_repeats: int = 3) -> dict[str, Any]:
     """The whole report as a dict. Tokens/s are the medians of `speed_repeats` interleaved greedy runs
     of each side (0: one timed run each, the ones that produced the continuations)."""
-    reference = reference_run(a.backend, inputs)
-    candidate = candidate_run(b.backend, inputs, reference)
-    if speed_repeats:
-        reference.greedy_seconds, candidate.greedy_seconds = side_by_side_seconds(
-            [a.backend, b.backend], inputs, speed_repeats)
-    report = assemble(a, b, inputs, prompts, gates, compare_runs(reference, candidate, inputs))
+    with tempfile.TemporaryDirectory(prefix="kiln-compare-") as logits:  # both sides' logits, read a row at a time
+        reference = reference_run(a.backend, inputs, into=Path(logits) / "a")
+        candidate = candidate_run(b.backend, inputs, reference, into=Path(logits) / "b")
+        if speed_repeats:
+            reference.greedy_seconds, candidate.greedy_seconds = side_by_side_seconds(
+                [a.backend, b.backend], inputs, speed_repeats)
+        report = assemble(a, b, inputs, prompts, gates, compare_runs(reference, candidate, inputs))
     report["inputs"]["speed_repeats"] = speed_repeats or 1
     return report
 

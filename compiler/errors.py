@@ -37,3 +37,7 @@ class CompareInputError(KilnError):
 
 class InsufficientMemory(KilnError):
     """The compile's predicted peak memory is more than this host has free."""
+
+
+class CompileProcessError(KilnError):
+    """The process that runs load, export and the eager reference ended without a result."""

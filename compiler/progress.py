@@ -62,6 +62,19 @@ class StageLog:
         self.console.print(f"  {escape(name)}: {self.step_seconds[key]:.1f} s, peak memory "
                            f"{sampler.peak / 2**30:.2f} GiB")
 
+    def records(self) -> dict[str, dict[str, float]]:
+        """The stages' and steps' seconds and peaks, for merge in another process's log."""
+        return {"seconds": self.seconds, "peak_rss": self.peak_rss, "step_seconds": self.step_seconds,
+                "step_peak_rss": self.step_peak_rss}
+
+    def merge(self, records: dict[str, dict[str, float]], beside: int = 0) -> None:
+        """Another process's stages (records()), as if run here; `beside`: the bytes this process held
+        meanwhile, added to their peaks, so a peak is what the host held."""
+        self.seconds.update(records["seconds"])
+        self.step_seconds.update(records["step_seconds"])
+        self.peak_rss.update({k: v + beside for k, v in records["peak_rss"].items()})
+        self.step_peak_rss.update({k: v + beside for k, v in records["step_peak_rss"].items()})
+
     @contextlib.contextmanager
     def bar(self, description: str, total: float) -> Iterator[callable]:
         columns = (TextColumn("  {task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn())

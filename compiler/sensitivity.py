@@ -93,15 +93,19 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
 
     paths = [p for members in groups.values() for p in members]
     rows = calibration_rows(calibration)
+    # Both sides' logits go to files as they come (0.25 GiB each over SmolLM2's calibration prompts)
+    # and are compared a row at a time.
+    logits_folder = folder.with_name(folder.name + "-logits")
+    logits_folder.mkdir(parents=True, exist_ok=True)
     fp32 = OnnxRuntimeBackend(source.model_path, source.interface)
-    reference = teacher_forced(fp32, rows, pad_id)
+    reference = teacher_forced(fp32, rows, pad_id, into=logits_folder / "reference.bin")
     fp32.close()
     records = []
     for group, members in groups.items():
         alone = with_exclude(variant, [p for p in paths if p not in members])
         graph, _ = quantize(source, alone, calibration, folder)
         backend = OnnxRuntimeBackend(graph.model_path, graph.interface)
-        logits = teacher_forced(backend, rows, pad_id)
+        logits = teacher_forced(backend, rows, pad_id, into=logits_folder / "group.bin")
         backend.close()
         shutil.rmtree(folder)
         release_freed_memory()  # this group's graph and session, before the next group's
@@ -112,6 +116,7 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
                         "kl_divergence_max": float(kl.max()), "top1_agreement": float(agree.mean())})
         if on_group:
             on_group()
+    shutil.rmtree(logits_folder)
     return sorted(records, key=lambda r: -r["kl_divergence"])
 
 

@@ -196,8 +196,10 @@ def test_validation_reference_is_transformers_own_attention(tiny_checkpoints, tm
     def unscaled(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
         return original(module, query, key, value, attention_mask, 1.0)
 
-    # A bug in the export-only attention must fail the compile, not be traced into both sides.
+    # A bug in the export-only attention must fail the compile, not be traced into both sides. The
+    # torch stages run here, not in their own process, so that they see the patched attention.
     monkeypatch.setattr(compiler.attention, "grouped_attention", unscaled)
+    monkeypatch.setattr(compiler.pipeline, "in_child_process", lambda function, *args: function(*args))
     recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"])
     with pytest.raises(ExportMismatch):
         compile_recipe(recipe, tmp_path / "out")
@@ -245,8 +247,9 @@ def test_sharded_bf16_checkpoint_compiles_and_records_stage_memory(tmp_path):
 
 
 def test_no_torch_weights_outlive_the_reference_stage(tiny_checkpoints, tmp_path, monkeypatch):
-    """Once eager's outputs are recorded, none of the model's parameters may stay alive: onnxscript's
-    pattern matchers kept the exported graph, and through it every parameter, until the compile ended."""
+    """Once the torch stages are done, none of the model's parameters may stay alive in the process that
+    ran them: onnxscript's pattern matchers kept the exported graph, and through it every parameter,
+    until the compile ended. The stages run here (not in their own process, which would hide it)."""
     import gc
     import weakref
 
@@ -265,5 +268,6 @@ def test_no_torch_weights_outlive_the_reference_stage(tiny_checkpoints, tmp_path
     load, validate = compiler.pipeline.load_checkpoint, compiler.pipeline.validate_export
     monkeypatch.setattr(compiler.pipeline, "load_checkpoint", loading)
     monkeypatch.setattr(compiler.pipeline, "validate_export", validating)
+    monkeypatch.setattr(compiler.pipeline, "in_child_process", lambda function, *args: function(*args))
     compile_recipe(write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"]), tmp_path / "out")
     assert parameters and alive == [0]

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.accuracy import Inputs, Run, compare_runs, failed_gates, greedy_match, perplexity, spilled
+from compiler.accuracy import Inputs, failed_gates, greedy_match, perplexity
 from compiler.errors import GateFailure
 from compiler.pipeline import compile_recipe
 from compiler.quantize import weight_matmuls
@@ -122,25 +122,56 @@ def test_metrics_on_known_arrays():
     assert failed_gates({**metrics, "top1_agreement": float("nan")}, {"top1_agreement": 0.5})
 
 
-def test_reference_logits_on_disk_give_the_same_metrics(tmp_path):
-    """The compile keeps the reference's logits on disk (RowsOnDisk): every metric is what the
-    arrays in memory give, and the rows come back exactly, of their own shapes."""
+def test_metrics_walk_long_rows_in_blocks_to_the_whole_rows_answer():
+    """perplexity and agreement take a row's positions POSITION_BLOCK at a time: on rows longer than
+    a block, with the block boundary inside them, they equal the formulas over whole rows."""
+    from compiler.accuracy import POSITION_BLOCK, agreement
+
+    rng = np.random.default_rng(3)
+    lengths = (POSITION_BLOCK * 2 + 5, 7, POSITION_BLOCK)
+    ref = [rng.normal(size=(n, 40)).astype(np.float32) for n in lengths]
+    out = [r + rng.normal(scale=0.5, size=r.shape).astype(np.float32) for r in ref]
+    targets = [rng.integers(0, 40, n) for n in lengths]
+    whole = np.concatenate([lg - np.log(np.exp(lg.astype(np.float64)).sum(-1, keepdims=True)) for lg in ref])
+    nll = -whole[np.arange(len(whole)), np.concatenate(targets)]
+    assert perplexity(ref, targets) == pytest.approx(np.exp(nll.mean()), rel=1e-6)
+    errors = np.abs(np.concatenate(out) - np.concatenate(ref))
+    same = (np.concatenate(ref).argmax(-1) == np.concatenate(out).argmax(-1)).mean()
+    assert agreement(ref, out) == pytest.approx({"top1_agreement": same, "max_logit_error": errors.max(),
+                                                 "mean_logit_error": errors.mean()}, rel=1e-6)
+
+
+def test_logits_on_disk_are_the_logits_in_memory(tiny_checkpoints, tiny_artifacts, tmp_path):
+    """The compile writes both sides' logits to disk as they come (teacher_forced with `into`) and
+    reads them back a row at a time: the rows are exactly the ones kept in memory, of their own
+    shapes, for the graph stepped column by column and for eager torch's one pass per row alike, and
+    every metric of the comparison is the same."""
+    from transformers import AutoModelForCausalLM
+
+    from compiler.accuracy import RowsOnDisk, measure, reference_run, teacher_forced
+    from compiler.eager import EagerBackend
+    from runtime.generator import Generator
+
+    graph = Generator.load(tiny_artifacts["llama"], "cpu-fp32").backend
+    eager = EagerBackend(AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"]).eval())
     rng = np.random.default_rng(0)
-    inputs = Inputs(text_rows=[list(rng.integers(0, 50, 9)), list(rng.integers(0, 50, 5))],
-                    prompts=[[1, 2], [3, 4, 5]], new_tokens=4, pad_id=0)
+    rows = [[int(t) for t in rng.integers(1, 200, n)] for n in (90, 17, 70)]  # over POSITION_BLOCK
+    for backend in (graph, eager):
+        for last in (None, 9):
+            kept = teacher_forced(backend, rows, 0, last)
+            read = teacher_forced(backend, rows, 0, last, into=tmp_path / f"{id(backend)}-{last}.bin")
+            assert isinstance(read, RowsOnDisk) and len(read) == len(rows)
+            for a, b in zip(kept, read, strict=True):
+                assert a.shape == b.shape == ((last or len(a)), backend.vocab_size) and np.array_equal(a, b)
 
-    def run(seed: int) -> Run:
-        r = np.random.default_rng(seed)
-        return Run([r.normal(size=(len(row), 50)).astype(np.float32) for row in inputs.text_rows],
-                   [list(r.integers(0, 50, 4)) for _ in inputs.prompts], r.normal(size=(2, 50)).astype(np.float32),
-                   [r.normal(size=(4, 50)).astype(np.float32) for _ in inputs.prompts], 1.0)
-
-    reference, candidate = run(1), run(2)
-    on_disk = spilled(reference, tmp_path / "reference")
-    for kept, read in zip(reference.text_logits + reference.continuation_logits,
-                          list(on_disk.text_logits) + list(on_disk.continuation_logits), strict=True):
-        assert read.shape == kept.shape and read.dtype == kept.dtype and np.array_equal(read, kept)
-    assert compare_runs(on_disk, candidate, inputs) == compare_runs(reference, candidate, inputs)
+    inputs = Inputs(text_rows=rows, prompts=[[5, 6, 7], [8, 9, 10, 11, 12]], new_tokens=4, pad_id=0)
+    reference_kept, reference_read = reference_run(eager, inputs), reference_run(eager, inputs, tmp_path / "eager")
+    timing = ("tokens_per_second_reference", "tokens_per_second", "tokens_per_second_ratio")
+    results = [measure(graph, inputs, reference_kept), measure(graph, inputs, reference_read, tmp_path / "graph")]
+    for result in results:
+        for key in timing:
+            result["summary"].pop(key)
+    assert results[0] == results[1] and results[0]["summary"]["top1_agreement"] > 0.9
 
 
 def test_fp16_overflow_is_found_at_compile_time(tmp_path):
