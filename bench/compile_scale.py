@@ -87,6 +87,10 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
     compiled = manifest["compile"]
     row["stage_seconds"] = {**compiled["stage_seconds"], **compiled.get("step_seconds", {})}
     row["stage_peak_rss_mib"] = {**compiled["stage_peak_rss_mib"], **compiled.get("step_peak_rss_mib", {})}
+    # time's maximum is one process's: load, export and the reference run in a child, whose stage peaks
+    # in the stage log are counted with what the parent held beside them.
+    stages_peak = max(row["stage_peak_rss_mib"].values()) * 2**20
+    row["peak_rss_bytes"] = max(row["peak_rss_bytes"] or 0, stages_peak)
     row["peak_over_weights"] = round(row["peak_rss_bytes"] / row["fp32_weight_bytes"], 2)
     row["export_seconds_per_billion"] = round(row["stage_seconds"]["export"] / (parameters / 1e9), 1)
     # No default gates: what the compile measured against eager, so a reader sees the artifact is right.
