@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backend import OnnxRuntimeBackend, open_backend
-from runtime.errors import KilnError
 from runtime.memory import free_host_memory, measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure, reference_run
@@ -70,8 +69,8 @@ from .validate_export import CASES, EagerCase, eager_cases, validate_export
 # validation logits (vocabulary-sized, whatever the model's size); the peak is the accuracy step
 # (ONNX Runtime's session with its pre-packed weights). A quantized variant's stage holds the fp32
 # graph and its quantized weights at once. Fitted before the torch stages moved to a process of their
-# own and the logits to files, which lowered every measured peak (135M: 1.73 -> 1.34 GiB): still an
-# upper bound, not refitted.
+# own and the logits to files, which lowered every measured peak (135M: 1.73 -> 1.21 GiB, now the
+# export's; no side's logits are resident any more): still an upper bound, not refitted.
 COMPILE_BASE_BYTES = int(1.2 * 2**30)
 COMPILE_PEAK_PER_WEIGHT_BYTE = 1.5
 QUANTIZED_VARIANT_PER_WEIGHT_BYTE = 0.8
@@ -123,7 +122,7 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
         # torch, and torch's libraries and whatever its stages leave behind go back to the OS before
         # ONNX Runtime loads a graph.
         stages = in_child_process(_eager_stages, recipe, str(recipe_path), asked, base, staging, debug,
-                                  logging.getLogger().level)
+                                  logging.getLogger().level, log.console.quiet)
         log.merge(stages.log, beside=current_rss())
         recipe, exported, data, reference = stages.recipe, stages.exported, stages.data, stages.reference
         variants = recipe.select_variants(variant_names)
@@ -175,11 +174,11 @@ class EagerStages:
 
 
 def _eager_stages(recipe: Recipe, recipe_path: str, asked: int | None, base: Path, staging: Path, debug: bool,
-                  logging_level: int) -> EagerStages:
+                  logging_level: int, quiet: bool) -> EagerStages:
     """load -> eager reference -> export (and eager on its validation cases), in the process
-    in_child_process starts."""
+    in_child_process starts; its stage lines as quiet as the caller's."""
     logging.basicConfig(level=logging_level)
-    log = StageLog()
+    log = StageLog(quiet=quiet)
     with log.stage("load", recipe.model.source):
         checkpoint = load_checkpoint(recipe.model)
     recipe = _check_context(recipe, checkpoint, asked, recipe_path)
@@ -219,8 +218,8 @@ def in_child_process(function: Callable[..., Any], *args: Any) -> Any:
     or its exception brought back; the process is gone when this returns."""
     context = multiprocessing.get_context("spawn")
     receive, send = context.Pipe(duplex=False)
-    child = context.Process(target=_child_main, args=(send, function, args), name="kiln-compile-eager",
-                            daemon=True)
+    child = context.Process(target=_child_main, args=(send, function, args, os.getpid()),
+                            name="kiln-compile-eager", daemon=True)
     child.start()
     send.close()
     try:
@@ -240,24 +239,45 @@ def in_child_process(function: Callable[..., Any], *args: Any) -> Any:
     return value
 
 
-def _child_main(send: Any, function: Callable[..., Any], args: tuple) -> None:
+def _child_main(send: Any, function: Callable[..., Any], args: tuple, parent: int) -> None:
+    import pickle
     import threading
 
     from tqdm import tqdm
 
+    _die_with_parent(parent)
     # transformers' progress bars (tqdm) would make a multiprocessing lock: a named semaphore that the
     # resource tracker this process shares with its parent reports as leaked when the parent exits.
     tqdm.set_lock(threading.RLock())
     try:
         result = ("ok", function(*args))
     except BaseException as exc:  # noqa: BLE001 (every exception goes back to the parent, which raises it)
-        if not isinstance(exc, KilnError):  # a bug: its traceback is in this process only
-            exc.add_note("".join(traceback.format_exception(exc)))
+        # The traceback stays in this process: as a note, it is what --debug shows (the CLI's one line
+        # is the message alone).
+        exc.add_note("in the load / export / reference process:\n" + "".join(traceback.format_exception(exc)))
         result = ("error", exc)
-    try:
-        send.send(result)
-    except Exception as exc:  # noqa: BLE001 (an exception that does not pickle)
-        send.send(("error", CompileProcessError(f"{type(result[1]).__name__}: {result[1]} ({exc})")))
+    try:  # what the parent cannot rebuild (an exception whose __init__ takes other arguments) fails here
+        pickle.loads(pickle.dumps(result))
+    except Exception as exc:  # noqa: BLE001
+        what = f"{type(result[1]).__name__}: {result[1]}" if result[0] == "error" else "its result"
+        error = CompileProcessError(f"the load / export / reference process could not hand back {what} ({exc})")
+        error.add_note("".join(traceback.format_exception(result[1])) if result[0] == "error" else "")
+        result = ("error", error)
+    send.send(result)
+
+
+def _die_with_parent(parent: int) -> None:
+    """Linux: the kernel kills this process when its parent dies, whatever kills the parent (SIGKILL,
+    the OOM killer), so no orphan goes on loading and exporting into a staging folder nobody owns."""
+    import ctypes
+    import ctypes.util
+
+    name = ctypes.util.find_library("c")
+    prctl = getattr(ctypes.CDLL(name), "prctl", None) if name else None
+    if prctl is not None:
+        prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # the parent died before the call
+        os._exit(1)
 
 
 def _output_folder(path: Path) -> Path:

@@ -20,8 +20,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 
 class StageLog:
-    def __init__(self, console: Console | None = None) -> None:
-        self.console = console or Console(stderr=True, highlight=False, emoji=False)
+    def __init__(self, console: Console | None = None, quiet: bool = False) -> None:
+        self.console = console or Console(stderr=True, highlight=False, emoji=False, quiet=quiet)
         self.seconds: dict[str, float] = {}
         self.peak_rss: dict[str, int] = {}  # bytes, the highest resident set seen during each stage
         self.step_seconds: dict[str, float] = {}  # the same for steps inside a stage, as "stage / step"

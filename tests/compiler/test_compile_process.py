@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -33,6 +34,29 @@ def _killed() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+class Unrebuildable(Exception):
+    def __init__(self, part: str, rest: str) -> None:  # pickle rebuilds it from one argument: it cannot
+        super().__init__(part + rest)
+
+
+def _unrebuildable() -> None:
+    raise Unrebuildable("two ", "arguments")
+
+
+def _waits(pid_file: str) -> None:
+    with open(pid_file, "w") as handle:
+        handle.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as status:
+            return any(line.split()[1] == "Z" for line in status if line.startswith("State:"))
+    except FileNotFoundError:
+        return True
+
+
 def test_a_child_process_brings_back_its_result_its_errors_and_its_death():
     result = in_child_process(_doubled, 21)
     assert result["doubled"] == 42 and result["pid"] != os.getpid()
@@ -43,6 +67,29 @@ def test_a_child_process_brings_back_its_result_its_errors_and_its_death():
     assert any("Traceback" in note and "_bug" in note for note in raised.value.__notes__)  # for --debug
     with pytest.raises(CompileProcessError, match=r"exit code -9 \(killed: most likely out of memory\)"):
         in_child_process(_killed)
+    with pytest.raises(CompileProcessError, match="could not hand back Unrebuildable: two arguments") as raised:
+        in_child_process(_unrebuildable)
+    assert any("_unrebuildable" in note for note in raised.value.__notes__)
+
+
+def test_the_child_dies_with_its_parent(tmp_path):
+    """A compile killed outright (SIGKILL, the OOM killer) takes its load / export / reference process
+    with it: no orphan goes on exporting into a staging folder nobody owns."""
+    pid_file = tmp_path / "child.pid"
+    parent = subprocess.Popen([sys.executable, "-c", "from compiler.pipeline import in_child_process\n"
+                               "from tests.compiler.test_compile_process import _waits\n"
+                               f"in_child_process(_waits, {str(pid_file)!r})\n"])
+    deadline = time.monotonic() + 60
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    child = int(pid_file.read_text())
+    assert not _gone(child)
+    parent.kill()
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while not _gone(child) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _gone(child)
 
 
 def test_the_compile_process_never_imports_torch(tiny_checkpoints, tmp_path):
