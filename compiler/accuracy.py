@@ -109,6 +109,8 @@ def teacher_forced(backend: Any, rows: Sequence[list[int]], pad_id: int, last: i
     time: the reference's logits, without a step per column. With `into` (a file), the logits are
     written there as they come and read back a row at a time (RowsOnDisk): the process never holds
     more than one step's, or one row's."""
+    if into:
+        into.parent.mkdir(parents=True, exist_ok=True)
     if hasattr(backend, "forward_row"):
         scored = (backend.forward_row(row, last) for row in rows)
         return RowsOnDisk.written(scored, into) if into else list(scored)
@@ -185,7 +187,6 @@ class RowsOnDisk(Sequence[np.ndarray]):
     def written(cls, rows: Iterable[np.ndarray], path: Path) -> RowsOnDisk:
         """`rows` written to `path` one after another, each as it comes."""
         table = []
-        path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "wb") as handle:
             for row in rows:
                 row = np.ascontiguousarray(row)
@@ -223,10 +224,7 @@ def candidate_run(backend: Any, inputs: Inputs, reference: Run, into: Path | Non
 
 
 def _file(folder: Path | None, name: str) -> Path | None:
-    if folder is None:
-        return None
-    folder.mkdir(parents=True, exist_ok=True)
-    return folder / name
+    return folder / name if folder else None
 
 
 def _timed_greedy(backend: Any, inputs: Inputs) -> tuple[list[list[int]], np.ndarray, float]:

@@ -13,6 +13,7 @@ import dataclasses
 import logging
 import multiprocessing
 import os
+import pickle
 import resource
 import shutil
 import signal
@@ -42,7 +43,7 @@ from .package import (
     write_sidecars,
     write_tokenizer,
 )
-from .progress import StageLog, current_rss, release_freed_memory
+from .progress import StageLog, c_library_function, current_rss, release_freed_memory
 from .quantize import check_finite, quantize
 from .recipe import (
     DEFAULT_CALIBRATION,
@@ -169,7 +170,7 @@ class EagerStages:
     reference: Run
     model: dict[str, Any]
     source: dict[str, Any]
-    side: dict[str, Any]  # the eager side's label, description, vocab, pad id and max context
+    side: Side  # the eager side without its backend, encode and decode
     log: dict[str, dict[str, float]]  # the stages' seconds and peaks (StageLog.records)
 
 
@@ -198,19 +199,17 @@ def _eager_stages(recipe: Recipe, recipe_path: str, asked: int | None, base: Pat
             exported = export(checkpoint, recipe.export, staging / ".work" / "export", debug=debug)
         log.note(f"{exported.node_count} nodes, files: {', '.join(exported.files)}")
         cases = eager_cases(checkpoint, exported)  # eager torch on the export's validation cases
-    side = {"label": eager.label, "description": eager.description, "vocab": eager.vocab, "pad_id": eager.pad_id,
-            "max_context": eager.max_context}
+    side = dataclasses.replace(eager, backend=None, encode=None, decode=None)  # torch and transformers stay here
     return EagerStages(recipe, exported, cases, data, reference, model, source, side, log.records())
 
 
-def _torch_free_side(side: dict[str, Any], tokenizer_folder: Path) -> Side:
+def _torch_free_side(side: Side, tokenizer_folder: Path) -> Side:
     """The eager side as the later stages use it (names for reports, text from token ids), with the
     artifact's own tokenizer in place of transformers'."""
     from runtime.tokenizer import Tokenizer
 
     tokenizer = Tokenizer(tokenizer_folder)
-    return Side(side["label"], side["description"], None, tokenizer.encode, tokenizer.decode, side["vocab"],
-                side["pad_id"], side["max_context"])
+    return dataclasses.replace(side, encode=tokenizer.encode, decode=tokenizer.decode)
 
 
 def in_child_process(function: Callable[..., Any], *args: Any) -> Any:
@@ -224,7 +223,7 @@ def in_child_process(function: Callable[..., Any], *args: Any) -> Any:
     send.close()
     try:
         try:
-            status, value = receive.recv()
+            status, value = pickle.loads(receive.recv_bytes())
         except EOFError:
             child.join()
             killed = " (killed: most likely out of memory)" if child.exitcode == -signal.SIGKILL else ""
@@ -240,7 +239,6 @@ def in_child_process(function: Callable[..., Any], *args: Any) -> Any:
 
 
 def _child_main(send: Any, function: Callable[..., Any], args: tuple, parent: int) -> None:
-    import pickle
     import threading
 
     from tqdm import tqdm
@@ -257,23 +255,20 @@ def _child_main(send: Any, function: Callable[..., Any], args: tuple, parent: in
         exc.add_note("in the load / export / reference process:\n" + "".join(traceback.format_exception(exc)))
         result = ("error", exc)
     try:  # what the parent cannot rebuild (an exception whose __init__ takes other arguments) fails here
-        pickle.loads(pickle.dumps(result))
+        payload = pickle.dumps(result)
+        pickle.loads(payload)
     except Exception as exc:  # noqa: BLE001
         what = f"{type(result[1]).__name__}: {result[1]}" if result[0] == "error" else "its result"
         error = CompileProcessError(f"the load / export / reference process could not hand back {what} ({exc})")
         error.add_note("".join(traceback.format_exception(result[1])) if result[0] == "error" else "")
-        result = ("error", error)
-    send.send(result)
+        payload = pickle.dumps(("error", error))
+    send.send_bytes(payload)
 
 
 def _die_with_parent(parent: int) -> None:
     """Linux: the kernel kills this process when its parent dies, whatever kills the parent (SIGKILL,
     the OOM killer), so no orphan goes on loading and exporting into a staging folder nobody owns."""
-    import ctypes
-    import ctypes.util
-
-    name = ctypes.util.find_library("c")
-    prctl = getattr(ctypes.CDLL(name), "prctl", None) if name else None
+    prctl = c_library_function("prctl")
     if prctl is not None:
         prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     if os.getppid() != parent:  # the parent died before the call

@@ -140,16 +140,18 @@ def release_freed_memory() -> None:
     cycles first, then glibc's free lists, which otherwise keep a freed graph's hundreds of MB resident
     (malloc_trim; a no-op where the C library has none)."""
     gc.collect()
-    trim = _malloc_trim()
+    trim = c_library_function("malloc_trim")
     if trim is not None:
         trim(0)
 
 
 @functools.cache
-def _malloc_trim() -> Any:
-    """glibc's malloc_trim, looked up once (find_library runs ldconfig in a subprocess), or None."""
+def c_library_function(function: str) -> Any:
+    """A function of the C library, looked up once (find_library runs ldconfig in a subprocess), or
+    None where there is no such library or function."""
     name = ctypes.util.find_library("c")
     try:
-        return ctypes.CDLL(name).malloc_trim if name else None
+        return getattr(ctypes.CDLL(name), function) if name else None
     except (OSError, AttributeError):
         return None
+

@@ -96,7 +96,6 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
     # Both sides' logits go to files as they come (0.25 GiB each over SmolLM2's calibration prompts)
     # and are compared a row at a time.
     logits_folder = folder.with_name(folder.name + "-logits")
-    logits_folder.mkdir(parents=True, exist_ok=True)
     fp32 = OnnxRuntimeBackend(source.model_path, source.interface)
     reference = teacher_forced(fp32, rows, pad_id, into=logits_folder / "reference.bin")
     fp32.close()
@@ -109,8 +108,11 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
         backend.close()
         shutil.rmtree(folder)
         release_freed_memory()  # this group's graph and session, before the next group's
-        kl = np.concatenate([kl_divergence(r, c) for r, c in zip(reference, logits, strict=True)])
-        agree = np.concatenate([r.argmax(-1) == c.argmax(-1) for r, c in zip(reference, logits, strict=True)])
+        kl_rows, agree_rows = [], []
+        for r, c in zip(reference, logits, strict=True):  # each row read from disk once
+            kl_rows.append(kl_divergence(r, c))
+            agree_rows.append(r.argmax(-1) == c.argmax(-1))
+        kl, agree = np.concatenate(kl_rows), np.concatenate(agree_rows)
         records.append({"group": group, "modules": list(members), "weight_elements": sum(members.values()),
                         "kl_divergence": float(kl.mean()),
                         "kl_divergence_max": float(kl.max()), "top1_agreement": float(agree.mean())})
