@@ -20,9 +20,12 @@ import contextlib
 import io
 import logging
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from .errors import ExportError
 from .families import Shapes, shapes_of
@@ -35,6 +38,7 @@ MODEL_FILE = "model.onnx"
 # them from the file rather than copying them out of the graph's bytes (a 1.9 GB graph: 2.47 GiB
 # resident once loaded from one file, 1.82 GiB from two).
 DATA_FILE = MODEL_FILE + ".data"
+SCRATCH_WEIGHTS_FILE = "weights.scratch"  # the model's weights while it is traced without them
 INPUTS = ("input_ids", "attention_mask", "position_ids")
 
 
@@ -133,10 +137,43 @@ def sample_inputs(shapes: Shapes, batch: int, seq: int, past: int) -> tuple:
 
 
 def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = False) -> OnnxArtifact:
-    import torch
+    """The checkpoint's model as one ONNX graph in `folder`. Its last use: the model is left without
+    its weights (on torch's meta device).
 
+    The trace needs the weights' shapes, not their values, and its own working set is large (0.25 GiB
+    at 135M: FX graphs, symbolic shapes, the decompositions). So the weights go to a scratch file
+    first and the model is traced on the meta device, holding none; the graph then reads them back
+    one at a time as it is optimized and saved. A model whose trace needs real values (a constant
+    computed from a weight, Falcon's) gets them back from the same file and is traced as it was."""
     shapes = shapes_of(checkpoint.config)
     wrapper = _make_wrapper(checkpoint.model, shapes.layers, cfg.logits)
+    folder.mkdir(parents=True, exist_ok=True)
+    scratch = folder / SCRATCH_WEIGHTS_FILE
+    try:
+        weights = WeightsFile.written(wrapper, scratch)
+        restore = _weights_on_meta(wrapper)
+        try:
+            program = _trace(wrapper, shapes, cfg, "meta", debug, checkpoint.source.spec)
+            weights.attach(program.model)  # raises ValueError where the graph holds a value only torch had
+        except (ExportError, ValueError):
+            restore(weights)
+            program = _trace(wrapper, shapes, cfg, "cpu", debug, checkpoint.source.spec)
+            _weights_on_meta(wrapper)
+        program.exported_program = None  # the FX graph and its symbolic shapes: not needed past here
+        with small_constants_kept():
+            program.optimize()
+        program.save(str(folder / MODEL_FILE), external_data=True)
+        del program
+        forget_matched_graphs()
+    finally:
+        scratch.unlink(missing_ok=True)
+    return saved_graph(folder, graph_interface(shapes, cfg.logits), shapes)
+
+
+def _trace(wrapper: Any, shapes: Shapes, cfg: ExportSpec, device: str, debug: bool, source: str) -> Any:
+    """torch.onnx's program for the wrapper with its weights on `device`, not yet optimized."""
+    import torch
+
     batch, seq, past, total = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
     dynamic_shapes = {
         "input_ids": {0: batch, 1: seq},
@@ -144,30 +181,142 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
         "position_ids": {0: batch, 1: seq},
         "past": tuple({0: batch, 2: past} for _ in range(2 * shapes.layers)),
     }
-    folder.mkdir(parents=True, exist_ok=True)
     try:
         with _quiet(debug), torch.no_grad(), small_constants_kept():
-            program = torch.onnx.export(
+            return torch.onnx.export(
                 wrapper,
-                sample_inputs(shapes, batch=2, seq=3, past=4),
+                tuple(t.to(device) for t in sample_inputs(shapes, batch=2, seq=3, past=4)),
                 input_names=[*INPUTS, *kv_names(shapes.layers, "past_key_values")],
                 output_names=["logits", *kv_names(shapes.layers, "present")],
                 dynamic_shapes=dynamic_shapes,
                 opset_version=cfg.opset,
                 dynamo=True,
-                optimize=True,
+                optimize=False,
                 verbose=debug,
             )
     except Exception as exc:  # the exporter raises many unrelated types; all mean the same to a user
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(
-            f"torch.onnx export of {checkpoint.source.spec} failed: {first} (rerun with --debug)"
-        ) from exc
-    path = folder / MODEL_FILE
-    program.save(str(path), external_data=True)
-    del program
-    forget_matched_graphs()
-    return saved_graph(folder, graph_interface(shapes, cfg.logits), shapes)
+        raise ExportError(f"torch.onnx export of {source} failed: {first} (rerun with --debug)") from exc
+
+
+@dataclass(frozen=True)
+class StoredTensor:
+    offset: int
+    dtype: Any  # numpy dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class WeightsFile:
+    """A module's parameters and buffers, written one after another to a file, read back one at a time."""
+
+    path: Path
+    tensors: dict[str, StoredTensor]  # by name in the module; tied tensors share one entry
+
+    @classmethod
+    def written(cls, module: Any, path: Path) -> WeightsFile:
+        tensors: dict[str, StoredTensor] = {}
+        stored: dict[tuple, StoredTensor] = {}
+        with open(path, "wb") as sink:
+            for name, tensor in _named_tensors(module):
+                key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+                       tuple(tensor.stride()), tensor.dtype)
+                if key not in stored:
+                    array = tensor.detach().contiguous().numpy()
+                    stored[key] = StoredTensor(sink.tell(), array.dtype, array.shape)
+                    sink.write(array.data)
+                tensors[name] = stored[key]
+        return cls(path, tensors)
+
+    def read(self, name: str) -> np.ndarray:
+        entry = self.tensors[name]
+        return np.fromfile(self.path, entry.dtype, int(np.prod(entry.shape)), offset=entry.offset).reshape(entry.shape)
+
+    def attach(self, model: Any) -> None:
+        """Give the graph's initializers their values, read from this file each time they are wanted, never
+        kept; a Transpose of one (how the exporter feeds a Linear's weight to MatMul) becomes an initializer
+        of its own the same way, as the exporter's optimizer would fold it but without holding the result."""
+        import onnx_ir as ir
+
+        graph = model.graph
+        for name, value in graph.initializers.items():
+            if name in self.tensors:
+                value.const_value = self._lazy(name, name, transpose=False)
+            elif value.const_value is None or _is_meta(value.const_value):
+                raise ValueError(f"initializer {name} has no value outside torch")
+        for node in list(graph):
+            source = node.inputs[0] if node.op_type == "Transpose" and node.domain == "" and node.inputs else None
+            if (source is None or source.name not in self.tensors or source.name not in graph.initializers
+                    or len(source.uses()) != 1 or node.outputs[0].is_graph_output()):
+                continue
+            perm = node.attributes.get_ints("perm", None)
+            output = node.outputs[0]
+            folded = ir.Value(name=output.name, shape=output.shape, type=output.type,
+                              const_value=self._lazy(source.name, output.name, transpose=True, perm=perm))
+            ir.convenience.replace_all_uses_with(output, folded)
+            graph.remove(node, safe=True)
+            graph.initializers.pop(source.name)
+            graph.register_initializer(folded)
+
+    def _lazy(self, stored: str, name: str, transpose: bool, perm: Sequence[int] | None = None) -> Any:
+        """An initializer read from the file at each use; with `transpose`, transposed by `perm` (reversed
+        axes without one, as ONNX's Transpose)."""
+        import onnx_ir as ir
+
+        entry = self.tensors[stored]
+        axes = None if not transpose else (tuple(perm) if perm else tuple(reversed(range(len(entry.shape)))))
+        shape = entry.shape if axes is None else tuple(entry.shape[i] for i in axes)
+
+        def read() -> Any:
+            array = self.read(stored)
+            return ir.tensor(array if axes is None else np.ascontiguousarray(array.transpose(axes)), name=name)
+
+        return ir.LazyTensor(read, dtype=ir.DataType.from_numpy(entry.dtype), shape=ir.Shape(shape), name=name)
+
+
+def _named_tensors(module: Any) -> Iterator[tuple[str, Any]]:
+    yield from module.named_parameters(remove_duplicate=False)
+    yield from module.named_buffers(remove_duplicate=False)
+
+
+def _is_meta(tensor: Any) -> bool:
+    raw = getattr(tensor, "raw", None)
+    return getattr(getattr(raw, "device", None), "type", None) == "meta"
+
+
+def _weights_on_meta(module: Any) -> Callable[[WeightsFile], None]:
+    """Move every parameter and buffer to the meta device (freeing their memory) keeping tied ones tied
+    (Module.to makes a new Parameter per module); returns what puts them back from a WeightsFile."""
+    import torch
+
+    moved: dict[int, Any] = {}
+    for owner in module.modules():
+        for table in (owner._parameters, owner._buffers):
+            for key, tensor in table.items():
+                if tensor is None or tensor.device.type == "meta":
+                    continue
+                if id(tensor) not in moved:
+                    meta = torch.empty_like(tensor, device="meta")
+                    moved[id(tensor)] = (torch.nn.Parameter(meta, tensor.requires_grad)
+                                         if isinstance(tensor, torch.nn.Parameter) else meta)
+                table[key] = moved[id(tensor)]
+
+    def restore(weights: WeightsFile) -> None:
+        back: dict[int, Any] = {}
+        names = dict(_named_tensors(module))
+        for owner in module.modules():
+            for table in (owner._parameters, owner._buffers):
+                for key, tensor in table.items():
+                    if tensor is None or tensor.device.type != "meta":
+                        continue
+                    if id(tensor) not in back:
+                        name = next(n for n, t in names.items() if t is tensor)
+                        real = torch.from_numpy(weights.read(name).copy())
+                        back[id(tensor)] = (torch.nn.Parameter(real, tensor.requires_grad)
+                                            if isinstance(tensor, torch.nn.Parameter) else real)
+                    table[key] = back[id(tensor)]
+
+    return restore
 
 
 def saved_graph(folder: Path, interface: dict[str, Any], shapes: Shapes) -> OnnxArtifact:

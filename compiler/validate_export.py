@@ -17,6 +17,7 @@ import numpy as np
 from .eager import REFERENCE_ATTENTION
 from .errors import ExportMismatch
 from .export import INPUTS, OnnxArtifact, _make_wrapper, kv_names
+from .families import Shapes, shapes_of
 from .load import Checkpoint
 
 # fp32 tolerance, relative to the largest |logit| (resp. |KV value|) of the reference.
@@ -58,13 +59,14 @@ class EagerCase:
     mask: np.ndarray
 
 
-def eager_cases(checkpoint: Checkpoint, exported: OnnxArtifact, seed: int = 0) -> list[EagerCase]:
-    """Every case through eager torch, recorded so the torch model can be freed before ONNX Runtime
-    loads the graph (the two never hold the weights at once). Small: batch 3, 21 tokens at most."""
+def eager_cases(checkpoint: Checkpoint, logits: str, seed: int = 0) -> list[EagerCase]:
+    """Every case through eager torch, recorded before the export (which is the model's last use) for
+    the graph to be checked against later. Small: batch 3, 21 tokens at most."""
     checkpoint.model.set_attn_implementation(REFERENCE_ATTENTION)
-    wrapper = _make_wrapper(checkpoint.model, exported.shapes.layers, exported.interface["logits"])
+    shapes = shapes_of(checkpoint.config)
+    wrapper = _make_wrapper(checkpoint.model, shapes.layers, logits)
     rng = np.random.default_rng(seed)
-    return [_eager_case(case, wrapper, exported, rng) for case in CASES]
+    return [_eager_case(case, wrapper, shapes, rng) for case in CASES]
 
 
 def validate_export(eager: list[EagerCase], exported: OnnxArtifact,
@@ -101,10 +103,9 @@ def validate_export(eager: list[EagerCase], exported: OnnxArtifact,
     return summary
 
 
-def _eager_case(case: Case, wrapper: Any, exported: OnnxArtifact, rng: np.random.Generator) -> EagerCase:
+def _eager_case(case: Case, wrapper: Any, shapes: Shapes, rng: np.random.Generator) -> EagerCase:
     import torch
 
-    shapes = exported.shapes
     total = case.past + case.seq
     ids = torch.from_numpy(rng.integers(0, shapes.vocab_size, (case.batch, total)))
     mask = torch.ones(case.batch, total, dtype=torch.int64)

@@ -271,3 +271,22 @@ def test_no_torch_weights_outlive_the_reference_stage(tiny_checkpoints, tmp_path
     monkeypatch.setattr(compiler.pipeline, "in_child_process", lambda function, *args: function(*args))
     compile_recipe(write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"]), tmp_path / "out")
     assert parameters and alive == [0]
+
+
+@pytest.mark.parametrize("family", ["llama", "falcon"])  # falcon: its trace needs real values, so it is traced with them
+def test_export_leaves_the_model_without_weights_and_writes_them_unchanged(tiny_checkpoints, tmp_path, family):
+    from compiler.export import SCRATCH_WEIGHTS_FILE, export
+    from compiler.load import load_checkpoint
+    from compiler.recipe import load_recipe
+
+    recipe, _ = load_recipe(write_recipe(tmp_path / "r.yaml", tiny_checkpoints[family]))
+    checkpoint = load_checkpoint(recipe.model)
+    weights = [p.detach().numpy().copy() for p in checkpoint.model.parameters()]
+    exported = export(checkpoint, recipe.export, tmp_path / "export")
+    assert {p.device.type for p in checkpoint.model.parameters()} == {"meta"}  # freed: the export was its last use
+    assert not (tmp_path / "export" / SCRATCH_WEIGHTS_FILE).exists()
+    graph = onnx.load(str(exported.model_path))
+    initializers = [onnx.numpy_helper.to_array(i) for i in graph.graph.initializer]
+    for weight in weights:  # each weight is in the graph as it was, or transposed for MatMul
+        assert any(np.array_equal(weight, i) or (weight.ndim == 2 and np.array_equal(weight.T, i))
+                   for i in initializers), weight.shape
