@@ -18,6 +18,7 @@ import numpy as np
 
 from .export import _make_wrapper
 from .families import shapes_of
+from .fp32_compute import computes_in_fp32, stop_computing_in_fp32
 
 # transformers' own attention is the reference, never the export-only one the graph was traced with
 # (compiler/attention.py): a mistake there must show up in a comparison, not be copied into both sides.
@@ -42,7 +43,11 @@ class EagerBackend:
         model.set_attn_implementation(REFERENCE_ATTENTION)
         self.device = torch.device(pick_device(device))
         self.dtype = getattr(torch, DTYPES[dtype])
-        model.to(device=self.device, dtype=self.dtype)
+        if dtype == "fp32" and computes_in_fp32(model):
+            model.to(device=self.device)  # its bf16 or fp16 weights stay as they are
+        else:
+            stop_computing_in_fp32(model)
+            model.to(device=self.device, dtype=self.dtype)
         self.shapes = shapes_of(model.config)
         self.vocab_size = self.shapes.vocab_size
         self.model = model

@@ -29,6 +29,7 @@ import numpy as np
 
 from .errors import ExportError
 from .families import Shapes, shapes_of
+from .fp32_compute import stop_computing_in_fp32
 from .load import Checkpoint
 from .recipe import ExportSpec
 
@@ -146,6 +147,7 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     one at a time as it is optimized and saved. A model whose trace needs real values (a constant
     computed from a weight, Falcon's) gets them back from the same file and is traced as it was."""
     shapes = shapes_of(checkpoint.config)
+    stop_computing_in_fp32(checkpoint.model)  # its weights are traced as fp32 on the meta device instead
     wrapper = _make_wrapper(checkpoint.model, shapes.layers, cfg.logits)
     folder.mkdir(parents=True, exist_ok=True)
     scratch = folder / SCRATCH_WEIGHTS_FILE
@@ -221,8 +223,9 @@ class WeightsFile:
             for name, tensor in _named_tensors(module):
                 key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                        tuple(tensor.stride()), tensor.dtype)
-                if key not in stored:
-                    array = tensor.detach().contiguous().numpy()
+                if key not in stored:  # floating weights as fp32, the graph's precision, whatever the checkpoint's
+                    array = tensor.detach()
+                    array = (array.float() if array.is_floating_point() else array).contiguous().numpy()
                     stored[key] = StoredTensor(sink.tell(), array.dtype, array.shape)
                     sink.write(array.data)
                 tensors[name] = stored[key]
@@ -296,7 +299,8 @@ def _weights_on_meta(module: Any) -> Callable[[WeightsFile], None]:
                 if tensor is None or tensor.device.type == "meta":
                     continue
                 if id(tensor) not in moved:
-                    meta = torch.empty_like(tensor, device="meta")
+                    meta = torch.empty_like(tensor, device="meta",
+                                            dtype=torch.float32 if tensor.is_floating_point() else tensor.dtype)
                     moved[id(tensor)] = (torch.nn.Parameter(meta, tensor.requires_grad)
                                          if isinstance(tensor, torch.nn.Parameter) else meta)
                 table[key] = moved[id(tensor)]

@@ -26,6 +26,7 @@ from runtime.files import read_utf8
 
 from .errors import CheckpointError, RecipeError, UnsupportedArchitecture
 from .families import Family, family_for, family_named, supported
+from .fp32_compute import compute_in_fp32
 from .recipe import ModelSpec
 
 # A causal LM head class ends in one of these; anything else (SequenceClassification, a bare
@@ -34,6 +35,8 @@ CAUSAL_LM_SUFFIXES = ("ForCausalLM", "LMHeadModel")
 # Config keys that bound the positions a model takes (GPT-2 names it n_positions).
 POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions")
 PICKLE_WEIGHTS = ("pytorch_model.bin", "pytorch_model.bin.index.json")
+# Weights of these safetensors dtypes are held as stored and computed in fp32 (compiler/fp32_compute.py).
+NARROW_FLOATS = {"BF16": "bfloat16", "F16": "float16"}
 # The model is loaded for export with an explicit attention implementation, never SDPA. Traced,
 # SDPA's decomposition transposes the whole (GQA-expanded) key cache as a 3-D tensor every layer and
 # step, which ONNX Runtime cannot fold into its MatMul; eager attention's 4-D key transpose is fused
@@ -66,7 +69,7 @@ class Checkpoint:
 
     source: Source
     source_sha256: str
-    model: Any  # transformers PreTrainedModel, eval mode, fp32
+    model: Any  # transformers PreTrainedModel, eval mode, computing in fp32 (bf16 and fp16 weights held as stored)
     tokenizer: Any  # transformers fast tokenizer
     family: Family
 
@@ -301,9 +304,13 @@ def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
     if source.kind != "gguf":
         kwargs = {**kwargs, "config": config}
     try:
-        with _safetensors_read_by_pread(source, config) as load:
-            if load is not None:
-                model = load(dtype=torch.float32, **kwargs)
+        with _safetensors_read_by_pread(source, config) as read:
+            if read is not None:
+                load, stored = read
+                model = load(dtype=getattr(torch, stored or "float32"), **kwargs)
+                if stored:  # held as stored, computed in fp32: the fp32 model in half its memory
+                    compute_in_fp32(model)
+                    model.config.dtype = torch.float32  # what it computes in, as an fp32 load says
             else:
                 model = AutoModelForCausalLM.from_pretrained(
                     source.folder, trust_remote_code=False, dtype=torch.float32, **kwargs
@@ -317,8 +324,9 @@ def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
 
 
 @contextlib.contextmanager
-def _safetensors_read_by_pread(source: Source, config: Any) -> Iterator[Callable[..., Any] | None]:
-    """from_pretrained over the checkpoint's safetensors files read with pread, not mapped; None where
+def _safetensors_read_by_pread(source: Source, config: Any) -> Iterator[tuple[Callable[..., Any], str | None] | None]:
+    """from_pretrained over the checkpoint's safetensors files read with pread, not mapped, and the torch
+    dtype its floating weights are all stored in where that is bf16 or fp16 (else None); None where
     the source is not such a folder (GGUF, pickle, files the index does not name, a pre-quantized
     checkpoint) or safetensors has no pread backend.
 
@@ -348,6 +356,8 @@ def _safetensors_read_by_pread(source: Source, config: Any) -> Iterator[Callable
             return
         # Slices, not tensors: transformers reads each one when it loads that weight.
         state_dict = {key: handle.get_slice(key) for handle in handles for key in handle.keys()}
+        floating = {weight.get_dtype() for weight in state_dict.values()} & {"BF16", "F16", "F32", "F64"}
+        stored = NARROW_FLOATS.get(floating.pop()) if len(floating) == 1 else None
 
         def load(**kwargs: Any) -> Any:
             # With a state dict, from_pretrained takes no folder, so it reads no generation_config.json.
@@ -356,7 +366,7 @@ def _safetensors_read_by_pread(source: Source, config: Any) -> Iterator[Callable
                 model.generation_config = GenerationConfig.from_pretrained(source.path)
             return model
 
-        yield load
+        yield load, stored
 
 
 def _safetensors_files(source: Source) -> list[Path]:
