@@ -86,6 +86,7 @@ def compare_main(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate
     eager:SOURCE (any model.source a recipe accepts). Exit 0 when every gate holds, 1 when one fails,
     2 for bad input."""
     logging.basicConfig(level=logging.INFO if debug else logging.ERROR)
+    unwind_on_sigterm()  # so both sides' logits files are removed on the way out
     try:
         report, paths = _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir,
                                  eager_device, eager_dtype, threads, speed_repeats, not no_verify)

@@ -207,3 +207,26 @@ def test_eager_scores_a_row_in_one_pass_as_in_steps(tiny_checkpoints, family):
         assert [a.shape for a in one_pass] == [(last or len(r), backend.vocab_size) for r in rows]
         for a, b in zip(one_pass, in_steps, strict=True):
             assert np.abs(a - b).max() <= 1e-5 * np.abs(b).max() and (a.argmax(-1) == b.argmax(-1)).all()
+
+
+def test_sigterm_exits_143_and_leaves_no_logits_behind(tiny_checkpoints, tiny_artifacts, tmp_path):
+    """Both sides' logits go to a temporary folder (0.3 GiB at SmolLM2's vocabulary); a compare stopped
+    by SIGTERM removes it on the way out, as Ctrl-C does."""
+    import os
+    import signal
+    import sys
+    import time
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    command = [str(Path(sys.executable).with_name("compare-model")), f"eager:{tiny_checkpoints['llama']}",
+               f"{tiny_artifacts['llama']}:cpu-fp32", "--speed-repeats", "50"]
+    process = subprocess.Popen(command, env={**os.environ, "TMPDIR": str(scratch)},
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.time() + 120
+    while not any(scratch.glob("kiln-compare-*/a")) and process.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert process.poll() is None, process.stderr.read().decode()
+    process.send_signal(signal.SIGTERM)
+    assert process.wait(60) == 143
+    assert not list(scratch.glob("kiln-compare-*"))  # torch leaves caches of its own in TMPDIR
