@@ -68,6 +68,7 @@ def open_side(text: str, eager_device: str = "auto", eager_dtype: str = "fp32", 
 
 
 def _eager_side(text: str, device: str, dtype: str) -> Side:
+    from .fp32_compute import stop_computing_in_fp32
     from .load import load_checkpoint
     from .recipe import ModelSpec
 
@@ -75,6 +76,9 @@ def _eager_side(text: str, device: str, dtype: str) -> Side:
     if not source:
         raise CompareInputError(f"{text!r}: name a checkpoint after 'eager:', e.g. eager:path/to/hf-folder")
     checkpoint = load_checkpoint(ModelSpec(source=source))
+    # compare-model times both sides: eager as transformers runs it, its weights cast once, not
+    # widened at every call as the compile's memory-bounded reference holds them.
+    stop_computing_in_fp32(checkpoint.model)
     return eager_side(checkpoint, text, device, dtype)
 
 
@@ -87,7 +91,9 @@ def eager_side(checkpoint: Any, label: str, device: str = "auto", dtype: str = "
         raise CompareInputError(str(exc)) from None
     tokenizer = checkpoint.tokenizer
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else (tokenizer.eos_token_id or 0)
-    return Side(label, f"transformers eager ({backend.device.type}, {dtype}), {checkpoint.source.spec}", backend,
+    widened = f", {backend.stored_dtype} weights widened per call" if backend.widened else ""
+    details = f"transformers eager ({backend.device.type}, {dtype}{widened}), {checkpoint.source.spec}"
+    return Side(label, details, backend,
                 lambda s: tokenizer(s, add_special_tokens=True)["input_ids"],
                 lambda ids: tokenizer.decode(ids, skip_special_tokens=True),
                 tokenizer.get_vocab(), pad, checkpoint.config.max_position_embeddings)

@@ -43,7 +43,9 @@ class EagerBackend:
         model.set_attn_implementation(REFERENCE_ATTENTION)
         self.device = torch.device(pick_device(device))
         self.dtype = getattr(torch, DTYPES[dtype])
-        if dtype == "fp32" and computes_in_fp32(model):
+        self.widened = dtype == "fp32" and computes_in_fp32(model)
+        self.stored_dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        if self.widened:
             model.to(device=self.device)  # its bf16 or fp16 weights stay as they are
         else:
             stop_computing_in_fp32(model)

@@ -157,14 +157,18 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
         try:
             program = _trace(wrapper, shapes, cfg, "meta", debug, checkpoint.source.spec)
             weights.attach(program.model)  # raises ValueError where the graph holds a value only torch had
-        except (ExportError, ValueError):
+        except (ExportError, ValueError) as exc:
+            logging.getLogger(__name__).debug("traced again with the weights: %s", exc)
             restore(weights)
             program = _trace(wrapper, shapes, cfg, "cpu", debug, checkpoint.source.spec)
             _weights_on_meta(wrapper)
         program.exported_program = None  # the FX graph and its symbolic shapes: not needed past here
-        with small_constants_kept():
-            program.optimize()
-        program.save(str(folder / MODEL_FILE), external_data=True)
+        try:
+            with small_constants_kept():
+                program.optimize()
+            program.save(str(folder / MODEL_FILE), external_data=True)
+        except Exception as exc:  # onnxscript's rewriter and onnx_ir raise many types; all mean the same
+            raise _export_error(exc, checkpoint.source.spec) from exc
         del program
         forget_matched_graphs()
     finally:
@@ -197,8 +201,12 @@ def _trace(wrapper: Any, shapes: Shapes, cfg: ExportSpec, device: str, debug: bo
                 verbose=debug,
             )
     except Exception as exc:  # the exporter raises many unrelated types; all mean the same to a user
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ExportError(f"torch.onnx export of {source} failed: {first} (rerun with --debug)") from exc
+        raise _export_error(exc, source) from exc
+
+
+def _export_error(exc: Exception, source: str) -> ExportError:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return ExportError(f"torch.onnx export of {source} failed: {first} (rerun with --debug)")
 
 
 @dataclass(frozen=True)
@@ -250,7 +258,8 @@ class WeightsFile:
         for node in list(graph):
             source = node.inputs[0] if node.op_type == "Transpose" and node.domain == "" and node.inputs else None
             if (source is None or source.name not in self.tensors or source.name not in graph.initializers
-                    or len(source.uses()) != 1 or node.outputs[0].is_graph_output()):
+                    or source.is_graph_input() or source.is_graph_output() or len(source.uses()) != 1
+                    or node.outputs[0].is_graph_output()):
                 continue
             perm = node.attributes.get_ints("perm", None)
             output = node.outputs[0]
@@ -315,7 +324,7 @@ def _weights_on_meta(module: Any) -> Callable[[WeightsFile], None]:
                         continue
                     if id(tensor) not in back:
                         name = next(n for n, t in names.items() if t is tensor)
-                        real = torch.from_numpy(weights.read(name).copy())
+                        real = torch.from_numpy(weights.read(name))
                         back[id(tensor)] = (torch.nn.Parameter(real, tensor.requires_grad)
                                             if isinstance(tensor, torch.nn.Parameter) else real)
                     table[key] = back[id(tensor)]

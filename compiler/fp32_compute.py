@@ -14,6 +14,7 @@ from typing import Any
 
 _HANDLES = "_kiln_fp32_compute"  # the model's attribute that holds the hooks' handles
 _STORED = "_kiln_stored_weights"  # a module's own weights as stored, while it runs on fp32 copies
+_DEPTH = "_kiln_call_depth"  # how many calls of the module are under way (a module may call itself)
 
 
 def compute_in_fp32(model: Any) -> None:
@@ -37,16 +38,21 @@ def stop_computing_in_fp32(model: Any) -> None:
 
 
 def _widen(module: Any, args: Any) -> None:
-    stored = {}
-    for name, weight in module.named_parameters(recurse=False):
-        stored[name] = weight.data
+    depth = getattr(module, _DEPTH, 0)
+    setattr(module, _DEPTH, depth + 1)
+    if depth:  # a module called within its own call: its weights are wide already
+        return
+    stored = {name: weight.data for name, weight in module.named_parameters(recurse=False)}
+    setattr(module, _STORED, stored)  # first, so that _narrow puts back whatever was widened
+    for weight in module.parameters(recurse=False):
         weight.data = weight.data.float()
-    setattr(module, _STORED, stored)
 
 
 def _narrow(module: Any, args: Any, output: Any) -> None:
+    depth = getattr(module, _DEPTH, 1) - 1
+    setattr(module, _DEPTH, depth)
     stored = getattr(module, _STORED, None)
-    if stored is None:
+    if depth or stored is None:
         return
     for name, weight in module.named_parameters(recurse=False):
         weight.data = stored[name]

@@ -308,6 +308,11 @@ def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
             if read is not None:
                 load, stored = read
                 model = load(dtype=getattr(torch, stored or "float32"), **kwargs)
+                if stored and any(b.is_floating_point() and b.dtype != torch.float32 for b in model.buffers()):
+                    # A buffer computed as the model was built (Gemma's embedding scale, sqrt(hidden))
+                    # came out rounded to the narrow dtype, which widening cannot undo: load in fp32.
+                    del model
+                    stored, model = None, load(dtype=torch.float32, **kwargs)
                 if stored:  # held as stored, computed in fp32: the fp32 model in half its memory
                     compute_in_fp32(model)
                     model.config.dtype = torch.float32  # what it computes in, as an fp32 load says
