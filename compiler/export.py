@@ -20,7 +20,7 @@ import contextlib
 import io
 import logging
 import warnings
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -153,13 +153,13 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     scratch = folder / SCRATCH_WEIGHTS_FILE
     try:
         weights = WeightsFile.written(wrapper, scratch)
-        restore = _weights_on_meta(wrapper)
+        _weights_on_meta(wrapper)
         try:
             program = _trace(wrapper, shapes, cfg, "meta", debug, checkpoint.source.spec)
             weights.attach(program.model)  # raises ValueError where the graph holds a value only torch had
         except (ExportError, ValueError) as exc:
             logging.getLogger(__name__).debug("traced again with the weights: %s", exc)
-            restore(weights)
+            weights.put_back(wrapper)
             program = _trace(wrapper, shapes, cfg, "cpu", debug, checkpoint.source.spec)
             _weights_on_meta(wrapper)
         program.exported_program = None  # the FX graph and its symbolic shapes: not needed past here
@@ -231,9 +231,8 @@ class WeightsFile:
             for name, tensor in _named_tensors(module):
                 key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
                        tuple(tensor.stride()), tensor.dtype)
-                if key not in stored:  # floating weights as fp32, the graph's precision, whatever the checkpoint's
-                    array = tensor.detach()
-                    array = (array.float() if array.is_floating_point() else array).contiguous().numpy()
+                if key not in stored:
+                    array = tensor.detach().to(_graph_dtype(tensor)).contiguous().numpy()
                     stored[key] = StoredTensor(sink.tell(), array.dtype, array.shape)
                     sink.write(array.data)
                 tensors[name] = stored[key]
@@ -242,6 +241,12 @@ class WeightsFile:
     def read(self, name: str) -> np.ndarray:
         entry = self.tensors[name]
         return np.fromfile(self.path, entry.dtype, int(np.prod(entry.shape)), offset=entry.offset).reshape(entry.shape)
+
+    def put_back(self, module: Any) -> None:
+        """The module's parameters and buffers from this file again, as it was written from them."""
+        import torch
+
+        _replace_tensors(module, lambda name, _: torch.from_numpy(self.read(name)))
 
     def attach(self, model: Any) -> None:
         """Give the graph's initializers their values, read from this file each time they are wanted, never
@@ -252,7 +257,7 @@ class WeightsFile:
         graph = model.graph
         for name, value in graph.initializers.items():
             if name in self.tensors:
-                value.const_value = self._lazy(name, name, transpose=False)
+                value.const_value = self._lazy(name, name)
             elif value.const_value is None or _is_meta(value.const_value):
                 raise ValueError(f"initializer {name} has no value outside torch")
         for node in list(graph):
@@ -261,22 +266,21 @@ class WeightsFile:
                     or source.is_graph_input() or source.is_graph_output() or len(source.uses()) != 1
                     or node.outputs[0].is_graph_output()):
                 continue
-            perm = node.attributes.get_ints("perm", None)
+            rank = len(self.tensors[source.name].shape)
+            axes = tuple(node.attributes.get_ints("perm", None) or reversed(range(rank)))  # none: reversed
             output = node.outputs[0]
             folded = ir.Value(name=output.name, shape=output.shape, type=output.type,
-                              const_value=self._lazy(source.name, output.name, transpose=True, perm=perm))
+                              const_value=self._lazy(source.name, output.name, tuple(axes)))
             ir.convenience.replace_all_uses_with(output, folded)
             graph.remove(node, safe=True)
             graph.initializers.pop(source.name)
             graph.register_initializer(folded)
 
-    def _lazy(self, stored: str, name: str, transpose: bool, perm: Sequence[int] | None = None) -> Any:
-        """An initializer read from the file at each use; with `transpose`, transposed by `perm` (reversed
-        axes without one, as ONNX's Transpose)."""
+    def _lazy(self, stored: str, name: str, axes: tuple[int, ...] | None = None) -> Any:
+        """An initializer read from the file at each use; with `axes`, transposed by them."""
         import onnx_ir as ir
 
         entry = self.tensors[stored]
-        axes = None if not transpose else (tuple(perm) if perm else tuple(reversed(range(len(entry.shape)))))
         shape = entry.shape if axes is None else tuple(entry.shape[i] for i in axes)
 
         def read() -> Any:
@@ -296,40 +300,36 @@ def _is_meta(tensor: Any) -> bool:
     return getattr(getattr(raw, "device", None), "type", None) == "meta"
 
 
-def _weights_on_meta(module: Any) -> Callable[[WeightsFile], None]:
-    """Move every parameter and buffer to the meta device (freeing their memory) keeping tied ones tied
-    (Module.to makes a new Parameter per module); returns what puts them back from a WeightsFile."""
+def _graph_dtype(tensor: Any) -> Any:
+    """A weight's dtype in the graph: fp32 for floating ones, whatever the checkpoint stores."""
     import torch
 
-    moved: dict[int, Any] = {}
-    for owner in module.modules():
+    return torch.float32 if tensor.is_floating_point() else tensor.dtype
+
+
+def _weights_on_meta(module: Any) -> None:
+    """Every parameter and buffer on the meta device, in the graph's dtype: their memory freed."""
+    import torch
+
+    _replace_tensors(module, lambda _, tensor: torch.empty_like(tensor, device="meta", dtype=_graph_dtype(tensor)))
+
+
+def _replace_tensors(module: Any, make: Callable[[str, Any], Any]) -> None:
+    """Each parameter and buffer of `module` replaced by make(its name, it), a tied one by one
+    replacement wherever it is tied (Module.to would make a new Parameter per module)."""
+    import torch
+
+    made: dict[int, Any] = {}
+    for prefix, owner in module.named_modules(remove_duplicate=False):
         for table in (owner._parameters, owner._buffers):
             for key, tensor in table.items():
-                if tensor is None or tensor.device.type == "meta":
+                if tensor is None:
                     continue
-                if id(tensor) not in moved:
-                    meta = torch.empty_like(tensor, device="meta",
-                                            dtype=torch.float32 if tensor.is_floating_point() else tensor.dtype)
-                    moved[id(tensor)] = (torch.nn.Parameter(meta, tensor.requires_grad)
-                                         if isinstance(tensor, torch.nn.Parameter) else meta)
-                table[key] = moved[id(tensor)]
-
-    def restore(weights: WeightsFile) -> None:
-        back: dict[int, Any] = {}
-        names = dict(_named_tensors(module))
-        for owner in module.modules():
-            for table in (owner._parameters, owner._buffers):
-                for key, tensor in table.items():
-                    if tensor is None or tensor.device.type != "meta":
-                        continue
-                    if id(tensor) not in back:
-                        name = next(n for n, t in names.items() if t is tensor)
-                        real = torch.from_numpy(weights.read(name))
-                        back[id(tensor)] = (torch.nn.Parameter(real, tensor.requires_grad)
-                                            if isinstance(tensor, torch.nn.Parameter) else real)
-                    table[key] = back[id(tensor)]
-
-    return restore
+                if id(tensor) not in made:
+                    new = make(f"{prefix}.{key}" if prefix else key, tensor)
+                    made[id(tensor)] = (torch.nn.Parameter(new, tensor.requires_grad)
+                                        if isinstance(tensor, torch.nn.Parameter) else new)
+                table[key] = made[id(tensor)]
 
 
 def saved_graph(folder: Path, interface: dict[str, Any], shapes: Shapes) -> OnnxArtifact:
