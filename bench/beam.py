@@ -70,7 +70,6 @@ def main() -> None:
 
     import torch
 
-    from compiler.fp32_compute import stop_computing_in_fp32
     from compiler.load import load_checkpoint
     from compiler.recipe import ModelSpec
     from runtime.generator import Generator
@@ -80,8 +79,6 @@ def main() -> None:
     generator = Generator.load(args.artifact, args.variant, threads=args.threads, max_batch_size=64)
     source = generator.artifact.manifest["source"]["spec"]
     model = load_checkpoint(ModelSpec(source=source)).model
-    stop_computing_in_fp32(model)  # eager as transformers runs it: bf16 or fp16 weights cast once, not per call
-    model.float()
     model.set_attn_implementation("eager")  # transformers' own attention, as compare-model's reference
     eos = sorted(generator.eos_ids)
     prompts = make_prompts(generator.tokenizer, args.prompts)

@@ -58,16 +58,13 @@ def compile_model(name: str, source: str, out: Path) -> Path:
 def check_variants(artifact: Path, source: str, out: Path) -> list[dict]:
     """Batched greedy decoding from each engine, then compare-model against eager fp32 on the GPU."""
     from compiler.compare import check_same_tokenizer, compare, eager_side, open_side, read_inputs
-    from compiler.fp32_compute import stop_computing_in_fp32
     from compiler.load import load_checkpoint
     from compiler.recipe import ModelSpec
     from compiler.report import write_report
     from runtime.generator import Generator
     from runtime.sampling import SamplingParams
 
-    checkpoint = load_checkpoint(ModelSpec(source=source))
-    stop_computing_in_fp32(checkpoint.model)  # eager as transformers runs it, its weights cast once
-    eager = eager_side(checkpoint, f"eager:{source}", device="cuda", dtype="fp32")
+    eager = eager_side(load_checkpoint(ModelSpec(source=source)), f"eager:{source}", device="cuda", dtype="fp32")
     inputs, prompts = read_inputs(eager, None, None, 32, 512)
     rows = []
     for variant in ("gpu-fp16", "gpu-int8"):

@@ -68,7 +68,6 @@ def open_side(text: str, eager_device: str = "auto", eager_dtype: str = "fp32", 
 
 
 def _eager_side(text: str, device: str, dtype: str) -> Side:
-    from .fp32_compute import stop_computing_in_fp32
     from .load import load_checkpoint
     from .recipe import ModelSpec
 
@@ -76,9 +75,6 @@ def _eager_side(text: str, device: str, dtype: str) -> Side:
     if not source:
         raise CompareInputError(f"{text!r}: name a checkpoint after 'eager:', e.g. eager:path/to/hf-folder")
     checkpoint = load_checkpoint(ModelSpec(source=source))
-    # compare-model times both sides: eager as transformers runs it, its weights cast once, not
-    # widened at every call as the compile's memory-bounded reference holds them.
-    stop_computing_in_fp32(checkpoint.model)
     return eager_side(checkpoint, text, device, dtype)
 
 

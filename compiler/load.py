@@ -69,7 +69,7 @@ class Checkpoint:
 
     source: Source
     source_sha256: str
-    model: Any  # transformers PreTrainedModel, eval mode, computing in fp32 (bf16 and fp16 weights held as stored)
+    model: Any  # transformers PreTrainedModel, eval mode, computing in fp32 (see load_checkpoint)
     tokenizer: Any  # transformers fast tokenizer
     family: Family
 
@@ -237,7 +237,9 @@ def _gguf_metadata(handle: Any, stop_after: str) -> dict[str, Any]:
     return metadata
 
 
-def load_checkpoint(spec: ModelSpec) -> Checkpoint:
+def load_checkpoint(spec: ModelSpec, keep_narrow_weights: bool = False) -> Checkpoint:
+    """The model in fp32, as transformers runs it; with `keep_narrow_weights` (the compile's
+    memory-bounded eager stages), bf16 or fp16 safetensors weights held as stored and computed in fp32."""
     # Set before transformers is imported: nothing in a compile may reach a model hub.
     os.environ["HF_HUB_OFFLINE"] = "1"
     source = resolve_source(spec)
@@ -248,7 +250,8 @@ def load_checkpoint(spec: ModelSpec) -> Checkpoint:
         _check_is_causal_lm(source, getattr(config, "architectures", None))
     family = family_for(config)
     weights_kwargs = _weights_kwargs(source, spec)
-    model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)})
+    model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)},
+                        keep_narrow_weights)
     tokenizer = _load_tokenizer(source)
     return Checkpoint(source, _source_sha256(source), model, tokenizer, family)
 
@@ -297,7 +300,7 @@ def _weights_kwargs(source: Source, spec: ModelSpec) -> dict[str, Any]:
     return {"use_safetensors": False}
 
 
-def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
+def _load_model(source: Source, config: Any, kwargs: dict[str, Any], keep_narrow_weights: bool) -> Any:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -307,6 +310,7 @@ def _load_model(source: Source, config: Any, kwargs: dict[str, Any]) -> Any:
         with _safetensors_read_by_pread(source, config) as read:
             if read is not None:
                 load, stored = read
+                stored = stored if keep_narrow_weights else None
                 model = load(dtype=getattr(torch, stored or "float32"), **kwargs)
                 if stored and any(b.is_floating_point() and b.dtype != torch.float32 for b in model.buffers()):
                     # A buffer computed as the model was built (Gemma's embedding scale, sqrt(hidden))

@@ -180,7 +180,7 @@ def _eager_stages(recipe: Recipe, recipe_path: str, asked: int | None, base: Pat
     logging.basicConfig(level=logging_level)
     log = StageLog(quiet=quiet)
     with log.stage("load", recipe.model.source):
-        checkpoint = load_checkpoint(recipe.model)
+        checkpoint = load_checkpoint(recipe.model, keep_narrow_weights=True)
     recipe = _check_context(recipe, checkpoint, asked, recipe_path)
     # Everything eager before the export: the export is the model's last use (it traces the model with
     # its weights moved out), and it leaves about 0.2 GiB behind that nothing frees (measured at 135M:

@@ -108,6 +108,7 @@ def test_sharded_bf16_is_held_in_bf16_and_computes_as_fp32(tiny_checkpoints, tmp
     from transformers import AutoModelForCausalLM
 
     from compiler.eager import EagerBackend
+    from compiler.fp32_compute import computes_in_fp32
 
     source = AutoModelForCausalLM.from_pretrained(tiny_checkpoints[family], dtype=torch.bfloat16)
     source.generation_config.max_new_tokens = 77
@@ -117,7 +118,7 @@ def test_sharded_bf16_is_held_in_bf16_and_computes_as_fp32(tiny_checkpoints, tmp
         shutil.copy(tiny_checkpoints[family] / name, folder / name)
     assert len(json.loads((folder / "model.safetensors.index.json").read_text())["weight_map"]) > 3
 
-    checkpoint = load_checkpoint(ModelSpec(source=str(folder)))
+    checkpoint = load_checkpoint(ModelSpec(source=str(folder)), keep_narrow_weights=True)
     with _safetensors_read_by_pread(checkpoint.source, checkpoint.config) as read:
         assert read is not None and read[1] == "bfloat16"  # read by pread, not by transformers' own mapping
     loaded = checkpoint.model
@@ -150,3 +151,5 @@ def test_sharded_bf16_is_held_in_bf16_and_computes_as_fp32(tiny_checkpoints, tmp
         assert ours_out.dtype == np.float32
         np.testing.assert_allclose(ours_out, theirs_out, rtol=0, atol=1e-6 * np.abs(theirs_out).max())
     assert {p.dtype for p in loaded.parameters()} == {held}  # the fp32 copies are gone
+    plain = load_checkpoint(ModelSpec(source=str(folder))).model  # compare-model's: fp32, as transformers loads it
+    assert {p.dtype for p in plain.parameters()} == {torch.float32} and not computes_in_fp32(plain)
