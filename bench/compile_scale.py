@@ -2,7 +2,8 @@
 (sharded bf16 safetensors with an index), compiled by `compile-model` in a fresh process each, one fp32
 variant (add --quantized for an int8 and an int4 variant too). Per stage: seconds and the peak
 resident set (the stage log's sampler, recorded in the manifest), and each variant's steps; overall:
-/usr/bin/time's maximum resident set. Then the artifact generates 16 tokens through run-model, as a
+/usr/bin/time's maximum resident set, and the most disk the compile's files took (sampled every
+second) against compile-model's prediction. Then the artifact generates 16 tokens through run-model, as a
 user runs it. Writes bench/results/compile_scale.json and prints the tables.
 
     python bench/compile_scale.py [--sizes 135m,480m] [--quantized]
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -71,12 +74,13 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
     command = ["/usr/bin/time", "-v", str(Path(sys.executable).with_name("compile-model")), str(recipe),
                "--out", str(out)]
     started = time.perf_counter()
-    run = subprocess.run(command, capture_output=True, text=True)
+    with DiskPeak(work, besides=checkpoint) as disk:
+        run = subprocess.run(command, capture_output=True, text=True)
     seconds = time.perf_counter() - started
     peak = re.search(r"Maximum resident set size \(kbytes\): (\d+)", run.stderr)
     row = {"size": name, "parameters": parameters, "fp32_weight_bytes": parameters * 4, "quantized": quantized,
            "seconds": round(seconds, 1), "peak_rss_bytes": int(peak.group(1)) * 1024 if peak else None,
-           "exit": run.returncode}
+           "peak_disk_bytes": disk.peak, "predicted_disk_bytes": predicted_disk(recipe), "exit": run.returncode}
     if run.returncode:
         own = run.stderr.split("\tCommand being timed")[0]  # what compile-model said, before time's report
         row["error"] = [line for line in own.splitlines()
@@ -100,6 +104,47 @@ def compile_one(name: str, work: Path, quantized: bool) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(checkpoint, ignore_errors=True)
     return row
+
+
+class DiskPeak:
+    """The most bytes the files under `folder` (but not under `besides`) took on disk while the block ran,
+    sampled every second: the compile's staging folder, against compile-model's prediction."""
+
+    def __init__(self, folder: Path, besides: Path) -> None:
+        self.folder, self.besides, self.peak = folder, besides, 0
+        self.done = threading.Event()
+        self.thread = threading.Thread(target=self._sample, daemon=True)
+
+    def __enter__(self) -> DiskPeak:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.done.set()
+        self.thread.join()
+
+    def _sample(self) -> None:
+        while not self.done.wait(1.0):
+            used = 0
+            for root, _, files in os.walk(self.folder):
+                if Path(root).is_relative_to(self.besides):
+                    continue
+                for file in files:
+                    try:
+                        used += os.stat(os.path.join(root, file)).st_blocks * 512
+                    except FileNotFoundError:  # removed between the listing and the stat
+                        pass
+            self.peak = max(self.peak, used)
+
+
+def predicted_disk(recipe: Path) -> int:
+    from compiler.load import fp32_weight_bytes, vocab_size
+    from compiler.pipeline import predicted_compile_disk
+    from compiler.recipe import load_recipe
+
+    loaded, _ = load_recipe(recipe)
+    return predicted_compile_disk(fp32_weight_bytes(loaded.model), vocab_size(loaded.model),
+                                  loaded.select_variants(()))
 
 
 def generate(artifact: Path) -> dict:
@@ -142,8 +187,8 @@ def main() -> int:
                     key=lambda s: (not s.startswith(("load", "export", "validate", "reference")), s))
     steps = sorted(s for s in named if " / " in s)  # each variant's steps, where its stage peak comes from
     print("\n| model | params | fp32 weights | compile | peak RSS | peak / weights | export s per 1B | "
-          + " | ".join(f"{s} peak" for s in stages) + " |")
-    print("| --- " * (7 + len(stages)) + "|")
+          "peak disk / predicted | " + " | ".join(f"{s} peak" for s in stages) + " |")
+    print("| --- " * (8 + len(stages)) + "|")
     for r in rows:
         if r["exit"]:
             print(f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | failed (exit {r['exit']}): {r['error'][-1]} |")
@@ -151,6 +196,7 @@ def main() -> int:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
         print(f"| {r['size']} | {r['parameters'] / 1e6:.0f}M | {gib(r['fp32_weight_bytes'])} | {r['seconds']:.0f} s | "
               f"{gib(r['peak_rss_bytes'])} | {r['peak_over_weights']:.1f}x | {r['export_seconds_per_billion']:.0f} | "
+              f"{gib(r['peak_disk_bytes'])} / {gib(r['predicted_disk_bytes'])} | "
               + " | ".join(f"{r['stage_peak_rss_mib'].get(s, 0) / 1024:.2f} GiB" for s in stages) + " |")
     if steps:
         print("\n| model | " + " | ".join(steps) + " |")

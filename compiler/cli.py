@@ -1,4 +1,5 @@
 """compile-model RECIPE [--out DIR] [--variant NAME ...] [--keep-failed] [--strict] [--debug] [--no-memory-check]
+                  [--no-disk-check]
 compare-model A B [--prompts FILE] [--text FILE] [--max-new-tokens N] [--gates FILE] [--gate K=V ...] [--report DIR]
 """
 
@@ -31,8 +32,10 @@ COMPARE_BAD_INPUT = (*BAD_INPUT, ArtifactError, IncompatibleArtifact)
 @click.option("--debug", is_flag=True, help="Show full tracebacks and the exporter's own output.")
 @click.option("--no-memory-check", is_flag=True,
               help="Compile even where the predicted peak memory is over what this host has free.")
+@click.option("--no-disk-check", is_flag=True,
+              help="Compile even where the predicted disk use is over what the output folder's disk has free.")
 def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: bool, strict: bool,
-         debug: bool, no_memory_check: bool) -> None:
+         debug: bool, no_memory_check: bool, no_disk_check: bool) -> None:
     """Compile the model a RECIPE names into a validated artifact folder."""
     from .pipeline import compile_recipe  # heavy imports only once the arguments are known good
 
@@ -42,7 +45,7 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
     unwind_on_sigterm()  # so the staging folder is removed on the way out
     try:
         folder = compile_recipe(recipe, out, variants, debug=debug, keep_failed=keep_failed, strict=strict,
-                                memory_check=not no_memory_check)
+                                memory_check=not no_memory_check, disk_check=not no_disk_check)
     except KilnError as exc:
         if debug:
             raise

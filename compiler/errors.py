@@ -39,5 +39,9 @@ class InsufficientMemory(KilnError):
     """The compile's predicted peak memory is more than this host has free."""
 
 
+class InsufficientDisk(KilnError):
+    """The compile's predicted disk use is more than the output folder's file system has free."""
+
+
 class CompileProcessError(KilnError):
     """The process that runs load, export and the eager reference ended without a result."""

@@ -171,6 +171,13 @@ def fp32_weight_bytes(spec: ModelSpec) -> int | None:
         return None
 
 
+def vocab_size(spec: ModelSpec) -> int | None:
+    """The config.json's vocabulary size, before anything is loaded; None for a GGUF file."""
+    source = resolve_source(spec)
+    size = None if source.kind == "gguf" else _raw_config(source).get("vocab_size")
+    return size if isinstance(size, int) else None
+
+
 def _raw_config(source: Source) -> dict[str, Any]:
     path = source.path / "config.json"
     if not path.is_file():

@@ -29,10 +29,10 @@ from runtime.memory import free_host_memory, measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure, reference_run
 from .compare import Side, assemble, eager_side, read_inputs
-from .errors import CompileProcessError, GateFailure, InsufficientMemory, OutputError, RecipeError
+from .errors import CompileProcessError, GateFailure, InsufficientDisk, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
 from .fusions import pack_matmuls
-from .load import Checkpoint, attention_for_export, fp32_weight_bytes, load_checkpoint, preflight
+from .load import Checkpoint, attention_for_export, fp32_weight_bytes, load_checkpoint, preflight, vocab_size
 from .optimize import optimize, pack
 from .package import (
     model_facts,
@@ -68,12 +68,19 @@ from .validate_export import CASES, EagerCase, eager_cases, validate_export
 # bench/compile_scale.py's random Llamas (README, "Compile time and memory"), which fit 0.4 GiB plus
 # 1.12x the weights (135M 0.97, 480M 2.31, 1.5B 6.83 GiB). The peak is ONNX Runtime's: the fp32
 # variant's accuracy step or its optimize check (a session with its pre-packed weights); the torch
-# stages, in their own process on weights held as the checkpoint stores them, stay under it. A quantized
+# stages, in their own process (on bf16 weights as stored below HOLD_NARROW_BELOW_BYTES), stay under it. A quantized
 # variant's quantize step holds the fp32 graph and its quantized weights at once (135M: +0.42x; 480M,
 # measured before the last changes: +0.7x).
 COMPILE_BASE_BYTES = int(0.6 * 2**30)
 COMPILE_PEAK_PER_WEIGHT_BYTE = 1.2
 QUANTIZED_VARIANT_PER_WEIGHT_BYTE = 0.8
+# Holding bf16/fp16 weights as stored and widening each module's per call halves the torch stages'
+# weights but costs the eager reference time (1.4x to 1.7x at 135M, measured interleaved in one
+# process). It lowers the compile's peak only where the torch stages set it, below about 3 GiB of
+# fp32 weights (at 480M an fp32 reference peaked at 2.42 GiB against the variant's 2.31). Above it
+# ONNX Runtime's stages peak higher than an fp32 reference does (1.5B: 6.55 GiB against 6.83), so the
+# weights are widened once, at load.
+HOLD_NARROW_BELOW_BYTES = 3 * 2**30
 
 
 def predicted_compile_peak(weight_bytes: int, quantized_variants: int) -> int:
@@ -98,9 +105,49 @@ def check_compile_memory(recipe: Recipe, variants: Sequence[Variant]) -> tuple[i
     return needed, free
 
 
+# A compile's disk use under the output folder, against the model's fp32 weights. The export holds its
+# weights twice while it saves them (the scratch file it traced from, and model.onnx.data); then its
+# graph stays until the end, each finished variant's graph stays (at most the weights' size: a
+# quantized variant keeps its embedding table in fp32), and the variant being built holds the graph it
+# reads and the one it writes (a third during exclude: auto's search: the quantized attempt and its
+# packed copy beside the optimized graph; an engine beside its graph). Besides the graphs: logits, a
+# row of the vocabulary in fp32 for each position of the validation data (1,551 with the default
+# prompts and text: 0.94 GB at a vocabulary of 151,936), the eager reference's and the variant's being
+# measured; the tokenizer and the reports.
+COMPILE_DISK_BASE_BYTES = 2**28
+LOGIT_ROWS_ON_DISK = 2 * 2000
+
+
+def predicted_compile_disk(weight_bytes: int, vocab: int, variants: Sequence[Variant]) -> int:
+    graphs = 2  # the export, saving
+    for built, variant in enumerate(variants):
+        held = 3 if variant.quantize and variant.quantize.exclude == "auto" else 2
+        graphs = max(graphs, 1 + built + held + (variant.target == "tensorrt"))
+    return int(COMPILE_DISK_BASE_BYTES + LOGIT_ROWS_ON_DISK * vocab * 4 + graphs * weight_bytes)
+
+
+def check_compile_disk(recipe: Recipe, variants: Sequence[Variant], final: Path) -> tuple[int, int] | None:
+    """Refuse, before loading anything, a compile whose predicted disk use is over what the output
+    folder's file system has free (it would stop on a full disk after minutes, and fill the disk for
+    everything else on the host meanwhile). Returns the prediction and the free bytes (None for GGUF)."""
+    weights = fp32_weight_bytes(recipe.model)
+    if weights is None:
+        return None
+    needed = predicted_compile_disk(weights, vocab_size(recipe.model) or 0, variants)
+    existing = next(p for p in (final, *final.parents) if p.exists())
+    free = shutil.disk_usage(existing).free
+    if needed > free:
+        raise InsufficientDisk(
+            f"this compile writes about {needed / 2**30:.1f} GiB under {existing} (the model's fp32 weights are "
+            f"{weights / 2**30:.1f} GiB: the export's graph, each variant's, and the one being built) and that "
+            f"file system has {free / 2**30:.1f} GiB free; free space, pass --out on a larger disk, or pass "
+            "--no-disk-check to try anyway")
+    return needed, free
+
+
 def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, variant_names: Sequence[str] = (),
                    debug: bool = False, keep_failed: bool = False, strict: bool = False,
-                   log: StageLog | None = None, memory_check: bool = True) -> Path:
+                   log: StageLog | None = None, memory_check: bool = True, disk_check: bool = True) -> Path:
     """Build the artifact a recipe describes; returns its folder."""
     log = log or StageLog()
     started = time.perf_counter()
@@ -115,6 +162,9 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     if memory is not None:
         log.note(f"predicted peak memory {memory[0] / 2**30:.1f} GiB, {memory[1] / 2**30:.1f} GiB free")
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
+    disk = check_compile_disk(recipe, variants, final) if disk_check else None
+    if disk is not None:
+        log.note(f"predicted disk use {disk[0] / 2**30:.1f} GiB, {disk[1] / 2**30:.1f} GiB free")
     for stale in remove_stale_staging(final):
         log.note(f"removed {stale}, left by a compile that was killed")
     with staging_folder(final) as staging:
@@ -180,7 +230,7 @@ def _eager_stages(recipe: Recipe, recipe_path: str, asked: int | None, base: Pat
     logging.basicConfig(level=logging_level)
     log = StageLog(quiet=quiet)
     with log.stage("load", recipe.model.source):
-        checkpoint = load_checkpoint(recipe.model, keep_narrow_weights=True)
+        checkpoint = load_checkpoint(recipe.model, keep_narrow_weights=_hold_narrow(recipe.model))
     recipe = _check_context(recipe, checkpoint, asked, recipe_path)
     # Everything eager before the export: the export is the model's last use (it traces the model with
     # its weights moved out), and it leaves about 0.2 GiB behind that nothing frees (measured at 135M:
@@ -200,6 +250,13 @@ def _eager_stages(recipe: Recipe, recipe_path: str, asked: int | None, base: Pat
         log.note(f"{exported.node_count} nodes, files: {', '.join(exported.files)}")
     side = dataclasses.replace(eager, backend=None, encode=None, decode=None)  # torch and transformers stay here
     return EagerStages(recipe, exported, cases, data, reference, model, source, side, log.records())
+
+
+def _hold_narrow(spec: Any) -> bool:
+    """Whether the compile holds a bf16/fp16 checkpoint's weights as stored, widened per call
+    (load_checkpoint's keep_narrow_weights): only where that lowers the compile's peak."""
+    weights = fp32_weight_bytes(spec)
+    return weights is None or weights < HOLD_NARROW_BELOW_BYTES
 
 
 def _torch_free_side(side: Side, tokenizer_folder: Path) -> Side:
@@ -346,11 +403,15 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if variant.quantize or variant.precision != "fp32":
         calibration = data.calibration[variant.name]
         with log.step("quantize"):
+            optimized_graph = graph
             graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
+            _drop_superseded(optimized_graph, graph)
             check_finite(graph, calibration, variant.name)
     if variant.target == "onnxruntime" and variant.fuse:
         with log.step("pack_matmuls"):
+            unpacked = graph
             graph, packed = pack(graph, work / "packed")
+            _drop_superseded(unpacked, graph)
         optimized["rules"][pack_matmuls.NAME] = packed
         if packed:
             log.note(f"pack_matmuls: {packed} MatMuls joined their siblings (q/k/v, gate/up), {graph.node_count} nodes")
@@ -405,6 +466,13 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if variant.target == "tensorrt":
         return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
     return {**entry, **summary, "status": "built"}
+
+
+def _drop_superseded(old: OnnxArtifact, new: OnnxArtifact) -> None:
+    """Delete a variant's graph that a later step has rewritten into a folder of its own, so a variant
+    holds at most the graph it reads and the one it writes on disk (predicted_compile_disk)."""
+    if new.folder != old.folder:
+        shutil.rmtree(old.folder)
 
 
 def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, reference: Run,

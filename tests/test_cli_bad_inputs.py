@@ -40,6 +40,8 @@ ROWS = [
     ("malformed YAML", ["compile-model", "{tmp}/r.yaml"], {"r.yaml": "name: [x\n"}, 2, "malformed YAML"),
     ("compile over this host's memory", ["compile-model", "{tmp}/r.yaml"],
      {"r.yaml": recipe("{tmp}/huge"), "huge/config.json": HUGE_CONFIG}, 1, "GiB free; free memory, compile on"),
+    ("compile over the output disk's free space", ["compile-model", "{tmp}/r.yaml", "--no-memory-check"],
+     {"r.yaml": recipe("{tmp}/huge"), "huge/config.json": HUGE_CONFIG}, 1, "GiB free; free space, pass --out on"),
     ("unknown option", ["compile-model", "{tmp}/r.yaml", "--fast"], {"r.yaml": recipe()}, 2,
      "No such option '--fast'"),
     ("missing source", ["compile-model", "{tmp}/r.yaml"], {"r.yaml": recipe("{tmp}/nothing")}, 2,
