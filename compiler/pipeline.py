@@ -162,11 +162,12 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
     if memory is not None:
         log.note(f"predicted peak memory {memory[0] / 2**30:.1f} GiB, {memory[1] / 2**30:.1f} GiB free")
     final = _output_folder(Path(out) if out is not None else Path("out") / recipe.name)
+    for stale in remove_stale_staging(final):
+        log.note(f"removed {stale}, left by a compile that was killed")
+    # After the stale folders go: a killed compile of a large model may have left most of the disk it needs.
     disk = check_compile_disk(recipe, variants, final) if disk_check else None
     if disk is not None:
         log.note(f"predicted disk use {disk[0] / 2**30:.1f} GiB, {disk[1] / 2**30:.1f} GiB free")
-    for stale in remove_stale_staging(final):
-        log.note(f"removed {stale}, left by a compile that was killed")
     with staging_folder(final) as staging:
         # Load, the eager reference and export run in a process of their own: this one never imports
         # torch, and torch's libraries and whatever its stages leave behind go back to the OS before
