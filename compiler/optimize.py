@@ -15,6 +15,9 @@ of the export stage fails the compile.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+import shutil
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -22,8 +25,15 @@ from typing import Any
 import numpy as np
 
 from .errors import ExportMismatch
-from .export import OnnxArtifact, forget_matched_graphs, save_model, saved_graph, small_constants_kept
-from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls
+from .export import (
+    MODEL_FILE,
+    OnnxArtifact,
+    forget_matched_graphs,
+    save_model,
+    saved_graph,
+    small_constants_kept,
+)
+from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls, rotary_in_attention
 from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
 from .validate_export import RELATIVE_TOLERANCE
@@ -97,15 +107,57 @@ def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
     return saved_graph(folder, graph.interface, graph.shapes), removed
 
 
+# The unfolded graph, kept beside a folded one for onnxruntime-genai (fusions/rotary_in_attention.py).
+GENAI_MODEL_FILE = "model_genai.onnx"
+
+
+def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArtifact, int | str]:
+    """The rotary_in_attention rule on a variant's finished graph (after pack): the folded graph in
+    `folder`, checked against the unfolded one, with the unfolded graph moved beside it as
+    GENAI_MODEL_FILE over the same weights file; or `graph` unchanged and why not.
+
+    The check runs in Kiln's layout, where the op rotates each token by its own position and the
+    numbers must not move, and, for an `exact` graph (fp32 throughout), in the left-padded one too. A
+    left-padded row is rotated by slot there, a shift that rotary attention does not see but that
+    rounds differently: int8 activations turn that rounding into other logits (0.7 apart on SmolLM2's
+    int8, the same top-1 and perplexity), so a quantized graph leaves that layout to its fp32 twin's
+    check (tests/compiler/test_optimize.py runs it for every family)."""
+    import onnx
+
+    proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
+    result = rotary_in_attention.apply(proto)
+    count, why = result if isinstance(result, tuple) else (result, "")
+    if not count:
+        return graph, why
+    folder.mkdir(parents=True)
+    for name in graph.files[1:]:  # the weights: one file on disk under both folders
+        try:
+            os.link(graph.folder / name, folder / name)
+        except OSError:
+            shutil.copyfile(graph.folder / name, folder / name)
+    onnx.save(proto, str(folder / MODEL_FILE))
+    del proto
+    folded = saved_graph(folder, graph.interface, graph.shapes)
+    try:
+        compare_graphs(graph, folded, left_padded=exact)
+    except ExportMismatch as error:
+        shutil.rmtree(folder)
+        return graph, f"the folded graph disagreed with the unfolded one: {error}"
+    os.replace(graph.model_path, folder / GENAI_MODEL_FILE)
+    return dataclasses.replace(folded, files=[*folded.files, GENAI_MODEL_FILE]), count
+
+
 # -- the numerical check: the runtime's backend on both graphs ------------------------------------
 
 CHECK_PADS = (0, 3, 6)  # left padding per row
 CHECK_PROMPT, CHECK_STEPS = 9, 4
 
 
-def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int = 0) -> dict[str, Any]:
+def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int = 0,
+                   left_padded: bool = True) -> dict[str, Any]:
     """Greedy decode of the reference graph, replayed on the candidate; raise if logits part ways. One
-    ONNX Runtime session at a time: a session holds the weights (and ONNX Runtime's pre-packed copy)."""
+    ONNX Runtime session at a time: a session holds the weights (and ONNX Runtime's pre-packed copy).
+    `left_padded=False` checks Kiln's layout only, where the candidate reads the graph's rows from slot 0."""
     from runtime.backend import OnnxRuntimeBackend
 
     steps = _greedy_steps(reference, seed)
@@ -114,7 +166,7 @@ def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int =
     errors, agree = [], []
     # A graph that reads row lengths from the mask runs in Kiln's layout (rows from slot 0) and in
     # the left-padded one other tools feed it: both are checked.
-    for front_aligned in sorted({backend.front_aligned, False}, reverse=True):
+    for front_aligned in sorted({backend.front_aligned} | ({False} if left_padded else set()), reverse=True):
         backend.front_aligned = front_aligned
         cache = backend.new_cache(len(CHECK_PADS), CHECK_PROMPT + CHECK_STEPS)
         for ids, mask, positions, ref in steps:

@@ -31,9 +31,9 @@ from .accuracy import Inputs, Run, failed_gates, measure, reference_run
 from .compare import Side, assemble, eager_side, read_inputs
 from .errors import CompileProcessError, GateFailure, InsufficientDisk, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
-from .fusions import pack_matmuls
+from .fusions import pack_matmuls, rotary_in_attention
 from .load import Checkpoint, attention_for_export, fp32_weight_bytes, load_checkpoint, preflight, vocab_size
-from .optimize import optimize, pack
+from .optimize import GENAI_MODEL_FILE, fold_rotary, optimize, pack
 from .package import (
     model_facts,
     remove_stale_staging,
@@ -418,6 +418,18 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             log.note(f"pack_matmuls: {packed} MatMuls joined their siblings (q/k/v, gate/up), {graph.node_count} nodes")
         else:
             optimized["unmatched"][pack_matmuls.NAME] = "no two MatMuls read one activation with weights of their own"
+        with log.step("rotary into attention"):
+            unfolded = graph
+            exact = not variant.quantize and variant.precision == "fp32"
+            graph, folded = fold_rotary(graph, work / "folded", exact)
+            _drop_superseded(unfolded, graph)
+        if isinstance(folded, str):
+            optimized["rules"][rotary_in_attention.NAME] = 0
+            optimized["unmatched"][rotary_in_attention.NAME] = folded
+        else:
+            optimized["rules"][rotary_in_attention.NAME] = folded
+            log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
+                     f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
 
@@ -453,6 +465,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
                "fusions": optimized["rules"], "fusions_not_applied": optimized["unmatched"], "gates": gates,
                "accuracy": metrics, "report": f"variants/{variant.name}/report.json",
                "comparison": f"reports/{variant.name}.html"}
+    if GENAI_MODEL_FILE in graph.files:
+        summary["genai_model"] = f"variants/{variant.name}/{GENAI_MODEL_FILE}"
     if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
         with log.spinner("measuring memory in a fresh process"):
             summary["memory"] = measure_in_subprocess(folder / graph.files[0], graph.interface,

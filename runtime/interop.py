@@ -132,7 +132,9 @@ def genai_config(manifest: dict[str, Any], variant: str, generation: dict[str, A
             "context_length": model["max_context"],
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
-                "filename": PurePosixPath(entry["model"]).name,
+                # A graph that rotates inside GroupQueryAttention has its unfolded twin beside it for
+                # onnxruntime-genai, whose right-padded batches that rotation mis-positions.
+                "filename": PurePosixPath(entry.get("genai_model", entry["model"])).name,
                 "head_size": interface["head_dim"],
                 "hidden_size": model["hidden_size"],
                 "num_attention_heads": model["attention_heads"],

@@ -23,14 +23,12 @@ keys and values into it: the cache is never copied. Each row's length is read fr
 the last column (Optimum's; seqlens_k = slots - 1 for every row) and rows that start at slot 0
 (onnxruntime-genai's, and Kiln's runtime's: each row at the front of its buffer, so ONNX Runtime's
 attention reduces over that row's own slots and the result does not depend on what else is in the
-batch). The additive bias masks pad slots. Rotary stays outside the op, on the model's own position
-ids, because GQA's built-in rotary would count pad slots as positions. Tried: it rotates by KV slot,
-which is the position in Kiln's layout and the same shift for a row's queries and keys in the
-left-padded one (rotary attention does not see it; the fused-vs-unfused check passed for every
-family), but onnxruntime-genai's right-padded batches keep a shorter row's pads between its prompt
-and its new tokens, so those tokens were rotated as if further away (tiny OLMo 2's rows got other
-tokens in tests/runtime/test_interop.py). With position ids fed, the op reads only the first one in
-a prompt, which breaks the left-padded layout instead.
+batch). The additive bias masks pad slots. Rotary stays outside the op here, on the model's own
+position ids: the graph this rule makes is the one onnxruntime-genai runs, and GQA's built-in rotary
+rotates by KV slot, which its right-padded batches mis-position. A variant's finished graph moves the
+rotations into the op afterwards (fusions/rotary_in_attention.py), and keeps this one beside it for
+onnxruntime-genai. With position ids fed, the op reads only the first one in a prompt, which breaks
+the left-padded layout, so they are not fed.
 """
 
 from __future__ import annotations

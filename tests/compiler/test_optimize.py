@@ -46,6 +46,11 @@ EXPECTED_FUSIONS = {
 # read one norm (1); Phi-3 and GPT-2 have nothing left to pack.
 EXPECTED_PACKED = {family: 6 for family in EXPECTED_FUSIONS} | {"starcoder2": 4, "gpt_neox": 2, "falcon": 2,
                                                                "phi3": 0, "gpt2": 0}
+# Layers whose rotations rotary_in_attention moves into GroupQueryAttention (after packing): not
+# partial rotations (Phi, GPT-NeoX, StableLM, Falcon's tiny config), nor Qwen3's, whose rotations read
+# its per-head q/k norms through a Reshape, nor GPT-2's learned positions.
+EXPECTED_FOLDED = {family: 2 for family in EXPECTED_FUSIONS} | {
+    family: 0 for family in ("phi", "gpt_neox", "stablelm", "falcon", "qwen3", "gpt2")}
 
 
 def _exported(tiny_artifacts, tiny_checkpoints, family) -> OnnxArtifact:
@@ -63,7 +68,8 @@ def _exported(tiny_artifacts, tiny_checkpoints, family) -> OnnxArtifact:
 def test_fusion_counts_and_interface(tiny_artifacts, family):
     manifest = json.loads((tiny_artifacts[family] / "manifest.json").read_text())
     fused = manifest["variants"]["cpu-fp32"]
-    assert fused["fusions"] == {**EXPECTED_FUSIONS[family], "pack_matmuls": EXPECTED_PACKED[family]}
+    assert fused["fusions"] == {**EXPECTED_FUSIONS[family], "pack_matmuls": EXPECTED_PACKED[family],
+                                "rotary_in_attention": EXPECTED_FOLDED[family]}
     # A rule that matched nothing says why, in the manifest and the compile log.
     assert set(fused["fusions_not_applied"]) == {rule for rule, count in fused["fusions"].items() if count == 0}
     if fused["fusions"]["rms_normalization"] == 0:
@@ -75,7 +81,18 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
     graph = onnx.load(str(tiny_artifacts[family] / fused["model"]))
     ops = [n.op_type for n in graph.graph.node]
     assert ops.count("GroupQueryAttention") == fused["interface"]["layers"]
-    assert ops.count("RotaryEmbedding") == EXPECTED_FUSIONS[family]["rotary_embedding"]
+    attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+    rotating = [any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) for n in attention]
+    if EXPECTED_FOLDED[family]:
+        # The rotations are the op's own; the graph before the fold is kept for onnxruntime-genai.
+        assert ops.count("RotaryEmbedding") == 0 and all(rotating)
+        unfolded = onnx.load(str(tiny_artifacts[family] / fused["genai_model"]), load_external_data=False)
+        assert [n.op_type for n in unfolded.graph.node].count("RotaryEmbedding") == \
+            EXPECTED_FUSIONS[family]["rotary_embedding"]
+        assert fused["genai_model"] in fused["files"]
+    else:
+        assert ops.count("RotaryEmbedding") == EXPECTED_FUSIONS[family]["rotary_embedding"] and not any(rotating)
+        assert "genai_model" not in fused
     # the Concat cache is gone: no node copies past into present any more
     assert not any(n.op_type == "Concat" and any(o.startswith("present.") for o in n.output) for n in graph.graph.node)
     report = json.loads((tiny_artifacts[family] / fused["report"]).read_text())
@@ -105,6 +122,43 @@ def test_a_broken_fusion_fails_the_check(tiny_artifacts, tiny_checkpoints, tmp_p
     monkeypatch.setattr(group_query_attention, "MASKED_SCORE", 0.0)  # pads no longer masked
     with pytest.raises(ExportMismatch, match="optimized graph disagrees with the unfused one"):
         optimize(exported, "onnxruntime", True, tmp_path / "broken")
+
+
+def test_rotary_folds_into_attention_only_where_it_gives_the_same_numbers(tiny_artifacts, tiny_checkpoints,
+                                                                         tmp_path, monkeypatch):
+    """fold_rotary keeps a folded graph only when it agrees with the unfolded one in both row layouts
+    (optimize.compare_graphs): a fold that rotates the wrong halves is dropped, with the reason."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from compiler.families import shapes_of
+    from compiler.fusions import rotary_in_attention
+    from compiler.optimize import GENAI_MODEL_FILE, fold_rotary
+
+    entry = Artifact.open(tiny_artifacts["llama"]).variant("cpu-fp32")
+    variant = tiny_artifacts["llama"] / entry["model"]
+    shapes = shapes_of(AutoConfig.from_pretrained(tiny_checkpoints["llama"]))
+
+    def unfolded(name: str) -> OnnxArtifact:
+        folder = tmp_path / name
+        folder.mkdir()
+        shutil.copyfile(variant.parent / GENAI_MODEL_FILE, folder / "model.onnx")
+        shutil.copyfile(variant.parent / "model.onnx.data", folder / "model.onnx.data")
+        return OnnxArtifact(folder, entry["interface"], shapes, 0, ["model.onnx", "model.onnx.data"])
+
+    graph = unfolded("good")
+    folded, count = fold_rotary(graph, tmp_path / "good-folded", exact=True)
+    assert count == 2 and folded.files == ["model.onnx", "model.onnx.data", GENAI_MODEL_FILE]
+    assert not graph.model_path.exists()  # moved beside the folded graph, over the same weights file
+
+    set_int = rotary_in_attention._set_int
+    monkeypatch.setattr(rotary_in_attention, "_set_int",
+                        lambda node, name, value: set_int(node, name, 1 if name == "rotary_interleaved" else value))
+    graph = unfolded("bad")
+    kept, why = fold_rotary(graph, tmp_path / "bad-folded", exact=False)  # wrong in Kiln's layout too
+    assert kept is graph and graph.model_path.exists() and not (tmp_path / "bad-folded").exists()
+    assert why.startswith("the folded graph disagreed with the unfolded one")
 
 
 def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, family, tmp_path):
