@@ -1,7 +1,7 @@
 """Kiln against onnxruntime-genai and transformers eager on SmolLM2-135M-Instruct, side by side in one run.
 
     python bench/peers.py [--artifact out/smollm2-135m-instruct] [--work /tmp/kiln-peers] [--rounds 2]
-                          [--threads 2] [--output bench/results/peers.json]
+                          [--threads 2] [--output bench/results/peers.json] [--before OLD_QUANTIZED]
 
 What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
 dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 models from that folder
@@ -20,6 +20,9 @@ top-1 agreement and perplexity; and greedy tokens at batch 1 equal to eager's (p
 and batch 8's equal to the same backend's batch 1 (batch invariance, of 16).
 Floors, from this machine's own measurements: batch 1 fp32 = read bandwidth / fp32 weight bytes;
 batch 32 fp32 = the job's FLOPs (prompt + new tokens, 2 per weight each) at the fp32 GEMM rate.
+--before names an older build of the quantized variants (a --work's kiln-quantized folder compiled by
+an earlier Kiln): its cpu-int4 and cpu-int8 run in the same rounds as rows marked "before", so a
+change to the compiler is measured side by side with what it replaced.
 Writes JSON and prints a Markdown table.
 """
 
@@ -279,6 +282,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "peers.json"))
+    parser.add_argument("--before", help="an older build of --work's kiln-quantized, run beside the new one")
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     artifact, work = Path(args.artifact), Path(args.work)
@@ -290,6 +294,9 @@ def main() -> None:
     backends = [Kiln(artifact, "cpu-fp32", args.threads), Kiln(artifact, "cpu-int8", args.threads),
                 Kiln(quantized, "cpu-int8", args.threads, label="Kiln cpu-int8, all quantized"),
                 Kiln(quantized, "cpu-int4", args.threads)]
+    if args.before:
+        backends += [Kiln(Path(args.before), "cpu-int8", args.threads, label="Kiln cpu-int8, all quantized, before"),
+                     Kiln(Path(args.before), "cpu-int4", args.threads, label="Kiln cpu-int4, before")]
     backends += [Genai(genai[p], p, args.threads) for p in ("fp32", "int8", "int4")]
     eager = Eager(args.threads, backends[0].generator.pad_id)
     backends.insert(0, eager)
