@@ -142,7 +142,8 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
         compare_graphs(graph, folded, left_padded=exact)
     except ExportMismatch as error:
         shutil.rmtree(folder)
-        return graph, f"the folded graph disagreed with the unfolded one: {error}"
+        detail = str(error).split(": ", 1)[-1].split(";")[0]  # the numbers, not the unfused-graph advice
+        return graph, f"the folded graph disagreed with the unfolded one: {detail}"
     os.replace(graph.model_path, folder / GENAI_MODEL_FILE)
     return dataclasses.replace(folded, files=[*folded.files, GENAI_MODEL_FILE]), count
 
