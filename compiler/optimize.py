@@ -24,6 +24,8 @@ from typing import Any
 
 import numpy as np
 
+from runtime.files import link_or_copy
+
 from .errors import ExportMismatch
 from .export import (
     MODEL_FILE,
@@ -131,10 +133,7 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
         return graph, why
     folder.mkdir(parents=True)
     for name in graph.files[1:]:  # the weights: one file on disk under both folders
-        try:
-            os.link(graph.folder / name, folder / name)
-        except OSError:
-            shutil.copyfile(graph.folder / name, folder / name)
+        link_or_copy(graph.folder / name, folder / name)
     onnx.save(proto, str(folder / MODEL_FILE))
     del proto
     folded = saved_graph(folder, graph.interface, graph.shapes)

@@ -16,6 +16,7 @@ from typing import Any
 
 from .backend import expand, kv_order
 from .errors import ArtifactError
+from .files import link_or_copy
 
 CONFIG = "config.json"
 GENAI_CONFIG = "genai_config.json"
@@ -247,12 +248,7 @@ def export_folder(artifact: Any, variant: str, tool: str, out: Path, link: bool 
     try:
         for relative in entry["files"]:
             source, target = artifact.folder / relative, staging / PurePosixPath(relative).name
-            try:
-                if not link:
-                    raise OSError
-                os.link(source, target)
-            except OSError:  # another file system, or --copy
-                shutil.copyfile(source, target)
+            link_or_copy(source, target, link)  # a copy on another file system, or with --copy
         for name, data in files.items():
             (staging / name).write_bytes(data)
         if out.exists():

@@ -16,7 +16,7 @@ in the left-padded one (Optimum's), which rotary attention does not see. onnxrun
 right-padded batches keep a shorter row's pads between its prompt and its new tokens, so there the
 new tokens would be rotated as if further away (tiny OLMo 2's rows got other tokens): the graph
 before this rule is kept beside the folded one for onnxruntime-genai (optimize.fold_rotary). The
-pipeline checks the folded graph against the unfolded one in both layouts before it keeps it.
+pipeline keeps the folded graph only where it gives the unfolded one's numbers (optimize.fold_rotary).
 
 It runs on a variant's finished graph, after pack_matmuls, on the graph's proto alone (its weights
 stay in their file: the rule adds and removes no initializer).
@@ -46,9 +46,10 @@ def apply(model: Any) -> int | tuple[int, str]:
         return 0, "no GroupQueryAttention"
     if not any(n.op_type == "RotaryEmbedding" for n in graph.node):
         return 0, "no RotaryEmbedding (the model has no rotary positions, or its rotation was not fused)"
+    graph_inputs = {value.name for value in graph.input}
     plans = []
     for node in attentions:
-        plan = _plan(node, producer, readers, graph)
+        plan = _plan(node, producer, readers, graph_inputs)
         if isinstance(plan, str):
             return 0, f"{node.name}: {plan}"
         plans.append(plan)
@@ -71,7 +72,7 @@ def apply(model: Any) -> int | tuple[int, str]:
     return len(plans)
 
 
-def _plan(node: Any, producer: dict[str, Any], readers: dict[str, int], graph: Any) -> tuple | str:
+def _plan(node: Any, producer: dict[str, Any], readers: dict[str, int], graph_inputs: set[str]) -> tuple | str:
     from onnx import helper
 
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
@@ -85,7 +86,7 @@ def _plan(node: Any, producer: dict[str, Any], readers: dict[str, int], graph: A
     q_rot, k_rot = rotations
     if list(q_rot.input[1:4]) != list(k_rot.input[1:4]):
         return "query and key are rotated with other positions or caches"
-    if q_rot.input[1] not in {i.name for i in graph.input}:
+    if q_rot.input[1] not in graph_inputs:
         return "the rotations read computed positions, not the graph's position ids"
     rot_attrs = [{a.name: helper.get_attribute_value(a) for a in r.attribute} for r in rotations]
     if any(a.get("rotary_embedding_dim", 0) or a.get("scale", 1.0) != 1.0 for a in rot_attrs):

@@ -126,8 +126,8 @@ def test_a_broken_fusion_fails_the_check(tiny_artifacts, tiny_checkpoints, tmp_p
 
 def test_rotary_folds_into_attention_only_where_it_gives_the_same_numbers(tiny_artifacts, tiny_checkpoints,
                                                                          tmp_path, monkeypatch):
-    """fold_rotary keeps a folded graph only when it agrees with the unfolded one in both row layouts
-    (optimize.compare_graphs): a fold that rotates the wrong halves is dropped, with the reason."""
+    """fold_rotary keeps a folded graph only when it agrees with the unfolded one (optimize.compare_graphs;
+    an fp32 graph in both row layouts): a fold that rotates the wrong halves is dropped, with the reason."""
     import shutil
 
     from transformers import AutoConfig
