@@ -127,7 +127,10 @@ class Artifact:
             raise IncompatibleArtifact(f"{self.folder}: variant {name!r} was not built: {variants[name]['reason']}"
                                        + others)
         if not built:
-            raise IncompatibleArtifact(f"{self.folder}: the artifact holds no built variant")
+            failed = [k for k, v in variants.items() if v.get("status") == "failed"]
+            named = f"no variant {name!r}; " if name is not None else ""
+            kept = f"; variants that missed their gates load only when named: {', '.join(failed)}" if failed else ""
+            raise IncompatibleArtifact(f"{self.folder}: {named}the artifact holds no built variant{kept}")
         if name is None:
             name = next(iter(built))
         if name not in built:

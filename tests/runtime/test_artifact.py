@@ -60,6 +60,20 @@ def test_unknown_variant_and_provider(tiny_artifacts):
         Generator.load(tiny_artifacts["gpt2"], providers=["CUDAExecutionProvider"])
 
 
+
+def test_an_artifact_of_variants_that_missed_their_gates_names_them(tiny_artifacts, tmp_path):
+    """compile-model --keep-failed can leave no built variant: a wrong name says which ones it has."""
+    copy = shutil.copytree(tiny_artifacts["gpt2"], tmp_path / "copy")
+    manifest = json.loads((copy / "manifest.json").read_text())
+    for entry in manifest["variants"].values():
+        entry["status"] = "failed"
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    artifact = Artifact.open(copy, verify=False)
+    with pytest.raises(IncompatibleArtifact, match="no variant 'gpu'; the artifact holds no built variant; variants "
+                                                   "that missed their gates load only when named: cpu-fp32"):
+        artifact.variant("gpu")
+    assert artifact.variant("cpu-fp32")["name"] == "cpu-fp32"
+
 def test_prompts_file_and_chat(tiny_artifacts, tmp_path):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "The quick"}\n\n{"messages": [{"role": "user", "content": "hi"}]}\n')
