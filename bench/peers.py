@@ -1,6 +1,6 @@
 """Kiln against onnxruntime-genai and transformers eager on SmolLM2-135M-Instruct, side by side in one run.
 
-    python bench/peers.py [--artifact out/smollm2-135m-instruct] [--work /tmp/kiln-peers] [--rounds 2]
+    python bench/peers.py [--artifact out/smollm2-135m-instruct] [--work /tmp/kiln-peers] [--rounds 3]
                           [--threads 2] [--output bench/results/peers.json] [--before OLD_QUANTIZED]
 
 What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
@@ -13,7 +13,10 @@ grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-f
 The protocol (issue 19): 64 chat-templated prompts of 36 to 49 tokens, fed as token ids to every
 backend; greedy, exactly --new-tokens new tokens (EOS ignored); --threads threads each; tokens/s of
 whole generate calls, prefill included: batch 1 over the first 16 prompts, batch 8 and 32 over all
-64. Backends run interleaved in --rounds rounds so drift hits all alike; medians over rounds.
+64. Backends run interleaved in --rounds rounds so drift hits all alike; medians over rounds. Each
+round runs in a fresh process that creates the sessions in another order (load_backends: the
+session created first in a process runs slower on this VM), so with three or more rounds no
+median comes from a backend created first.
 Time to first token: batch 1's median, and batch 32's (the whole batch's first tokens).
 Accuracy, each backend against eager on the held-out text (recipes/data/heldout.txt, teacher-forced):
 top-1 agreement and perplexity; and greedy tokens at batch 1 equal to eager's (per prompt, of 16),
@@ -194,7 +197,7 @@ class Genai:
 
 
 class Eager:
-    def __init__(self, threads: int, pad: int) -> None:
+    def __init__(self, threads: int, pad: int = 0) -> None:
         import torch
         from transformers import AutoModelForCausalLM
 
@@ -274,45 +277,87 @@ def fp32_weight_bytes(artifact: Path) -> int:
     return sum(manifest["files"][f]["size"] for f in manifest["variants"]["cpu-fp32"]["files"])
 
 
+def prepared(args) -> tuple[Path, Path, dict[str, Path]]:
+    """The main artifact, Kiln's quantized build and genai's models, each built once into --work."""
+    artifact, work = Path(args.artifact), Path(args.work)
+    if not (artifact / "manifest.json").exists():
+        raise SystemExit(f"error: {artifact} is not a Kiln artifact; build it first: compile-model recipes/llama.yaml")
+    work.mkdir(parents=True, exist_ok=True)
+    hf = hf_folder(work)
+    return artifact, kiln_quantized(work), {p: genai_model(work, hf, p) for p in ("fp32", "int8", "int4")}
+
+
+def load_backends(args, round_number: int | None = None) -> list:
+    """Eager, then every Kiln and genai backend, in that order. For a timed round they are created in
+    that order rotated by a share of the list per round, so no backend is created first in more than one
+    round of --rounds <= their number. Why: on the VM this is measured on, the ONNX Runtime session
+    created first in a process ran 4% to 16% slower a step than the same graph created after it
+    (bench/ab_step.py); over three or more rounds, the median then never comes from a first place."""
+    artifact, quantized, genai = prepared(args)
+    threads = args.threads
+    makers = [lambda: Eager(threads),
+              lambda: Kiln(artifact, "cpu-fp32", threads), lambda: Kiln(artifact, "cpu-int8", threads),
+              lambda: Kiln(quantized, "cpu-int8", threads, label="Kiln cpu-int8, all quantized"),
+              lambda: Kiln(quantized, "cpu-int4", threads)]
+    if args.before:
+        before = Path(args.before)
+        makers += [lambda: Kiln(before, "cpu-int8", threads, label="Kiln cpu-int8, all quantized, before"),
+                   lambda: Kiln(before, "cpu-int4", threads, label="Kiln cpu-int4, before")]
+    makers += [lambda p=p: Genai(genai[p], p, threads) for p in ("fp32", "int8", "int4")]
+    shift = 0 if round_number is None else round_number * len(makers) // args.rounds
+    order = [(i + shift) % len(makers) for i in range(len(makers))]
+    made = {i: makers[i]() for i in order}
+    backends = [made[i] for i in range(len(makers))]
+    backends[0].pad = backends[1].generator.pad_id  # eager pads with Kiln's pad id
+    if round_number is not None:
+        print(f"round {round_number + 1}: created " + ", ".join(backends[i].name for i in order), file=sys.stderr)
+    return backends
+
+
+def timed_round(args, number: int) -> dict:
+    """One round, in this process: every backend's cells."""
+    backends = load_backends(args, number)
+    prompts = chat_prompts(backends[1].generator, PROMPTS)
+    for backend in backends:
+        backend.generate(prompts[:2], 4)  # warm-up, untimed
+    cells = {}
+    for backend in backends:
+        cells[backend.name] = {batch: timed_cell(backend, prompts[:ALONE_PROMPTS] if batch == 1 else prompts, batch,
+                                                 args.new_tokens) for batch in BATCHES}
+        print(f"round {number + 1}: {backend.name} done", file=sys.stderr)
+    return cells
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default=str(ROOT / "out" / "smollm2-135m-instruct"))
     parser.add_argument("--work", default="/tmp/kiln-peers")
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "peers.json"))
     parser.add_argument("--before", help="an older build of --work's kiln-quantized, run beside the new one")
+    parser.add_argument("--round", type=int, help=argparse.SUPPRESS)  # a worker: one timed round, JSON out
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    artifact, work = Path(args.artifact), Path(args.work)
-    work.mkdir(parents=True, exist_ok=True)
+    if args.round is not None:
+        print(json.dumps(timed_round(args, args.round)))
+        return
+    artifact = prepared(args)[0]  # builds what is missing, before any round times anything
+    cells: dict[str, dict[int, list]] = {}
+    for number in range(args.rounds):  # each round in a fresh process, its sessions in its own order
+        done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--round", str(number)],
+                              stdout=subprocess.PIPE, text=True)
+        if done.returncode:
+            raise SystemExit(f"error: round {number + 1} failed (exit code {done.returncode}); its error is above")
+        for name, by_batch in json.loads(done.stdout.strip().splitlines()[-1]).items():
+            for batch, cell in by_batch.items():
+                cells.setdefault(name, {b: [] for b in BATCHES})[int(batch)].append(cell)
 
-    hf = hf_folder(work)
-    genai = {p: genai_model(work, hf, p) for p in ("fp32", "int8", "int4")}
-    quantized = kiln_quantized(work)
-    backends = [Kiln(artifact, "cpu-fp32", args.threads), Kiln(artifact, "cpu-int8", args.threads),
-                Kiln(quantized, "cpu-int8", args.threads, label="Kiln cpu-int8, all quantized"),
-                Kiln(quantized, "cpu-int4", args.threads)]
-    if args.before:
-        backends += [Kiln(Path(args.before), "cpu-int8", args.threads, label="Kiln cpu-int8, all quantized, before"),
-                     Kiln(Path(args.before), "cpu-int4", args.threads, label="Kiln cpu-int4, before")]
-    backends += [Genai(genai[p], p, args.threads) for p in ("fp32", "int8", "int4")]
-    eager = Eager(args.threads, backends[0].generator.pad_id)
-    backends.insert(0, eager)
+    backends = load_backends(args)
+    eager = backends[0]
     prompts = chat_prompts(backends[1].generator, PROMPTS)
     rows = text_rows(backends[1].generator)
-    for backend in backends:
-        backend.generate(prompts[:2], 4)  # warm-up, untimed
-
-    cells = {b.name: {n: [] for n in BATCHES} for b in backends}
-    for number in range(args.rounds):
-        for backend in backends:
-            for batch in BATCHES:
-                cell = timed_cell(backend, prompts[:ALONE_PROMPTS] if batch == 1 else prompts, batch, args.new_tokens)
-                cells[backend.name][batch].append(cell)
-            print(f"round {number + 1}: {backend.name} done", file=sys.stderr)
-
     reference = eager.teacher_forced(rows)
     eager_tokens = cells[eager.name][1][0]["tokens"]
     bandwidth, gflops = read_bandwidth_gbs(args.threads), gemm_gflops(args.threads)
