@@ -16,7 +16,7 @@ nearest rounding quantizes them a second time and keeps 63% top-1 agreement.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,18 @@ def calibration_sequences(model_path: Path, interface: dict[str, Any], prompts: 
 def hessians(proto: Any, inputs: set[str], interface: dict[str, Any], sequences: Sequence[list[int]],
              work: Path) -> dict[str, np.ndarray]:
     """{MatMul input name: sum over tokens of x x^T}, from one prefill per sequence."""
+    sums: dict[str, np.ndarray] = {}
+    for values in activations(proto, inputs, interface, sequences, work):
+        for name, value in values.items():
+            x = value.reshape(-1, value.shape[-1]).astype(np.float64)
+            sums[name] = sums.get(name, 0) + x.T @ x
+    return sums
+
+
+def activations(proto: Any, names: set[str], interface: dict[str, Any], sequences: Sequence[list[int]],
+                work: Path) -> Iterator[dict[str, np.ndarray]]:
+    """{name: value} of these intermediate tensors of the graph, for one prefill per sequence in turn
+    (a copy of the graph with them as outputs, in `work` while it runs)."""
     import onnx
     import onnxruntime as ort
 
@@ -51,31 +63,29 @@ def hessians(proto: Any, inputs: set[str], interface: dict[str, Any], sequences:
     graph = onnx.ModelProto()
     graph.CopyFrom(proto)
     declared = {o.name for o in graph.graph.output}
-    graph.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sorted(inputs - declared))
+    graph.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sorted(names - declared))
     work.mkdir(parents=True, exist_ok=True)
-    path = work / "hessians.onnx"
+    path = work / "activations.onnx"
     onnx.save(graph, str(path), save_as_external_data=True, location=path.name + ".data")
     del graph
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
-    names = sorted(inputs)
+    ordered = sorted(names)
     past = expand(interface["inputs"][3:], interface["layers"])
     shared = interface.get("kv_sharing") == "shared-buffer"
-    sums: dict[str, np.ndarray] = {}
-    for ids in sequences:
-        n = len(ids)
-        feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
-                "position_ids": np.arange(n, dtype=np.int64)[None]}
-        feed.update({name: np.zeros((1, interface["kv_heads"], n if shared else 0, interface["head_dim"]),
-                                    np.float32) for name in past})
-        for name, value in zip(names, session.run(names, feed), strict=True):
-            x = value.reshape(-1, value.shape[-1]).astype(np.float64)
-            sums[name] = sums.get(name, 0) + x.T @ x
-    del session
-    path.unlink()
-    path.with_name(path.name + ".data").unlink(missing_ok=True)
-    return sums
+    try:
+        for ids in sequences:
+            n = len(ids)
+            feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
+                    "position_ids": np.arange(n, dtype=np.int64)[None]}
+            feed.update({name: np.zeros((1, interface["kv_heads"], n if shared else 0, interface["head_dim"]),
+                                        np.float32) for name in past})
+            yield dict(zip(ordered, session.run(ordered, feed), strict=True))
+    finally:
+        del session
+        path.unlink()
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
 
 
 def gptq_blocks(weight: np.ndarray, hessian: np.ndarray, bits: int, block_size: int

@@ -52,7 +52,7 @@ def test_manifest_of_the_real_model(smollm2_artifact):
     assert int8["accuracy"]["perplexity_change_abs"] <= 0.01
     found = json.loads((smollm2_artifact / int8["report"]).read_text())["exclude_auto"]
     assert len(found["sensitivity"]) == 61 and "lm_head" in {r["group"] for r in found["sensitivity"]}
-    assert found["met_gates"] and 0 < len(found["groups_in_fp32"]) < 61
+    assert found["met_gates"] and len(found["groups_in_fp32"]) < 61  # none, on a CPU where smoothing suffices
     assert (smollm2_artifact / "tokenizer" / "chat_template.jinja").is_file() or \
         "chat_template" in (smollm2_artifact / "tokenizer" / "tokenizer_config.json").read_text()
 

@@ -19,7 +19,7 @@ from runtime.sampling import SamplingParams
 from tests.conftest import write_recipe
 
 VARIANTS = """\
-  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head]}}
+  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head], smoothing: 0.5}}
   - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 16}}
   - {name: cpu-int4-gptq, target: onnxruntime, quantize: {mode: int4, rounding: gptq}}
   - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax}}
@@ -51,6 +51,7 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
     report = json.loads((quantized / entry["report"]).read_text())
     assert report["quantize"]["kept_fp32"] == ["lm_head"]
     assert "TopK" not in ops and report["quantize"]["exact_top_logits"] == "off: the LM head is kept in fp32"
+    assert report["quantize"]["smoothing"]["folded_into"]["norm scales"] == 4  # each layer's two, not the head's
 
     for variant in ("cpu-int4", "cpu-int4-gptq"):
         entry, graph = _graph(quantized, variant)

@@ -1,0 +1,59 @@
+"""SmoothQuant folded into a real compiled graph: the same logits in fp32, fewer int8 losses."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+
+from compiler.export import OnnxArtifact
+from compiler.smoothing import smooth
+
+
+def _logits(model_path, interface, ids):
+    from runtime.backend import OnnxRuntimeBackend
+
+    backend = OnnxRuntimeBackend(model_path, interface)
+    cache = backend.new_cache(1, len(ids) + 1)
+    logits, _ = backend.run(np.array([ids]), np.ones((1, len(ids)), np.int64), np.arange(len(ids))[None], cache)
+    return np.array(logits)
+
+
+@pytest.mark.parametrize(("variant", "folded"), [("cpu-fp32", "norm scales"), ("cpu-fp32-unfused", "up_proj columns")])
+def test_smoothing_moves_ranges_into_weights_without_changing_the_logits(tiny_artifacts, tmp_path, variant, folded):
+    """Fused graphs fold the factors into the RMSNorm scales; unfused ones (no norm op) into up_proj's
+    columns before the SiLU product. Either way the fp32 graph computes the same logits (float
+    rounding apart), and the smoothed weights and scales did change."""
+    artifact = tiny_artifacts["llama"]
+    entry = json.loads((artifact / "manifest.json").read_text())["variants"][variant]
+    source = OnnxArtifact((artifact / entry["model"]).parent, entry["interface"], None, 0)
+    proto = onnx.load(str(source.model_path))
+    before = {i.name: onnx.numpy_helper.to_array(i).copy() for i in proto.graph.initializer}
+    calibration = [[5, 17, 42, 7, 99, 3], [11, 12, 13, 200, 8]]
+
+    report = smooth(proto, source, calibration, 0.5, tmp_path / "work")
+
+    assert report["folded_into"][folded] > 0
+    changed = [i.name for i in proto.graph.initializer
+               if i.name not in before or not np.array_equal(onnx.numpy_helper.to_array(i), before[i.name])]
+    assert changed
+    smoothed = tmp_path / "smoothed.onnx"
+    onnx.save(proto, str(smoothed), save_as_external_data=True, location="smoothed.onnx.data")
+    ids = [3, 14, 15, 92, 65, 35, 89]
+    want, got = _logits(source.model_path, entry["interface"], ids), _logits(smoothed, entry["interface"], ids)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    assert not (tmp_path / "work" / "activations.onnx").exists()  # the graph copy read for ranges is gone
+
+
+def test_smoothing_is_for_int8_dynamic_only():
+    from pydantic import ValidationError
+
+    from compiler.recipe import QuantizeSpec
+
+    assert QuantizeSpec(mode="int8-dynamic", smoothing=0.5).smoothing == 0.5
+    with pytest.raises(ValidationError, match="smoothing applies to mode int8-dynamic; int4 keeps weights"):
+        QuantizeSpec(mode="int4", smoothing=0.5)
+    with pytest.raises(ValidationError, match="less than or equal to 1"):
+        QuantizeSpec(mode="int8-dynamic", smoothing=1.5)
