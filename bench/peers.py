@@ -116,8 +116,8 @@ def genai_model(work: Path, hf: Path, precision: str) -> Path:
 
 
 def kiln_quantized(work: Path) -> Path:
-    """Kiln's cpu-int4, and cpu-int8 with every layer quantized (the main recipe's cpu-int8 keeps the
-    groups `exclude: auto` chose in fp32), from bench/smollm2-variants.yaml."""
+    """Kiln's cpu-int4, and cpu-int8 with every layer quantized and smoothed as the main recipe's (which
+    keeps the groups `exclude: auto` chose in fp32), from bench/smollm2-variants.yaml."""
     out = work / "kiln-quantized"
     if (out / "manifest.json").exists():
         return out
