@@ -19,6 +19,7 @@ graph and calibration set (the sensitivity search quantizes the same graph dozen
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -111,5 +112,6 @@ def _ranges(proto: Any, source: Any, calibration: Sequence[list[int]], names: se
         for values in activations(proto, names, source.interface, sequences, work):
             for name, value in values.items():
                 found[name] = np.maximum(found.get(name, 0), np.abs(value.reshape(-1, value.shape[-1])).max(0))
+        shutil.rmtree(work, ignore_errors=True)  # as _gptq does: no empty work folder left in the variant's
         _RANGES[key] = found
     return _RANGES[key]
