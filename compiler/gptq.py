@@ -16,6 +16,7 @@ nearest rounding quantizes them a second time and keeps 63% top-1 agreement.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -54,19 +55,27 @@ def hessians(proto: Any, inputs: set[str], interface: dict[str, Any], sequences:
 def activations(proto: Any, names: set[str], interface: dict[str, Any], sequences: Sequence[list[int]],
                 work: Path) -> Iterator[dict[str, np.ndarray]]:
     """{name: value} of these intermediate tensors of the graph, for one prefill per sequence in turn
-    (a copy of the graph with them as outputs, in `work` while it runs)."""
+    (a copy of the graph with them as outputs, in `work` while it runs). `proto` may be a graph file
+    instead: then only its nodes are copied, beside it, and its weights are read from where they lie."""
     import onnx
     import onnxruntime as ort
 
     from runtime.backend import expand
 
-    graph = onnx.ModelProto()
-    graph.CopyFrom(proto)
+    if isinstance(proto, Path):
+        graph = onnx.load(str(proto), load_external_data=False)
+        path = proto.with_name(f".activations-{os.getpid()}.onnx")  # its weights' paths are relative
+    else:
+        graph = onnx.ModelProto()
+        graph.CopyFrom(proto)
+        work.mkdir(parents=True, exist_ok=True)
+        path = work / "activations.onnx"
     declared = {o.name for o in graph.graph.output}
     graph.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sorted(names - declared))
-    work.mkdir(parents=True, exist_ok=True)
-    path = work / "activations.onnx"
-    onnx.save(graph, str(path), save_as_external_data=True, location=path.name + ".data")
+    if isinstance(proto, Path):
+        onnx.save(graph, str(path))
+    else:
+        onnx.save(graph, str(path), save_as_external_data=True, location=path.name + ".data")
     del graph
     options = ort.SessionOptions()
     options.log_severity_level = 3

@@ -493,16 +493,13 @@ def _drop_superseded(old: OnnxArtifact, new: OnnxArtifact) -> None:
 def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, reference: Run,
                   gates: dict[str, float], work: Path, log: StageLog) -> tuple[Variant, dict[str, Any]]:
     """`quantize.exclude: auto` -> the variant with the module groups in fp32 that lightest_kept finds meet
-    its gates (compiler/sensitivity.py), and the sensitivity table and attempts behind that choice."""
+    its gates (compiler/sensitivity.py), and the sensitivity table and attempts behind that choice. The
+    table is only measured when everything quantized misses a gate."""
     calibration = data.calibration[variant.name]
     groups = weight_groups(graph)
-    with log.step("sensitivity"), log.bar("module groups quantized alone", total=len(groups)) as advance:
-        ranking = layer_sensitivity(graph, variant, groups, calibration, data.inputs.pad_id, work / "alone",
-                                    on_group=advance)
-    log.note("sensitivity, most sensitive first (KL from fp32 with that group alone quantized, calibration "
-             "prompts): " + ", ".join(f"{r['group']} {r['kl_divergence']:.2g}" for r in ranking[:6]))
     attempts: list[dict[str, Any]] = []
-    total = weight_elements(ranking) or 1
+    total = sum(sum(members.values()) for members in groups.values()) or 1
+    ranking: list[dict[str, Any]] = []
 
     def attempt(kept: Sequence[dict[str, Any]]) -> bool:
         candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])
@@ -520,12 +517,24 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
                          "weights_in_fp32": share, "top1_agreement": metrics["top1_agreement"],
                          "perplexity_change": metrics["perplexity_change"], "failed_gates": failures})
         verdict = f"missed {', '.join(failures)}" if failures else "passed"
-        log.note(f"  {len(kept)} of {len(ranking)} groups in fp32 ({share:.1%} of the MatMul weights): top-1 "
+        log.note(f"  {len(kept)} of {len(groups)} groups in fp32 ({share:.1%} of the MatMul weights): top-1 "
                  f"{metrics['top1_agreement']:.3f}, perplexity {metrics['perplexity_change']:+.2%}; {verdict}")
         return not failures
 
-    with log.step("search"):
-        kept = lightest_kept(ranking, attempt)
+    # Everything quantized first: one build and measurement, where the ranking below costs one per group.
+    with log.step("all quantized"):
+        if attempt([]):
+            log.note("exclude: auto: every group quantized meets the gates; none kept in fp32, no ranking measured")
+            return with_exclude(variant, []), {"sensitivity": [], "attempts": attempts, "groups_in_fp32": [],
+                                               "weights_in_fp32": 0.0, "met_gates": True}
+    with log.step("sensitivity"), log.bar("module groups quantized alone", total=len(groups)) as advance:
+        ranking = layer_sensitivity(graph, variant, groups, calibration, data.inputs.pad_id, work / "alone",
+                                    on_group=advance)
+    log.note("sensitivity, most sensitive first (KL from fp32 with that group alone quantized, calibration "
+             "prompts): " + ", ".join(f"{r['group']} {r['kl_divergence']:.2g}" for r in ranking[:6]))
+
+    with log.step("search"):  # none kept was the first attempt, and failed
+        kept = lightest_kept(ranking, lambda groups: bool(groups) and attempt(groups))
     if kept is None:
         log.note(f"exclude: auto: the gates are missed even with all {len(ranking)} groups in fp32; building "
                  "with none kept, so the gates report what quantizing costs")

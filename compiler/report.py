@@ -105,6 +105,9 @@ def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[lis
                f"({found.get('weights_in_fp32', 0):.1%} of the MatMul weights)"
                if found["met_gates"] else f"no count of the {len(groups)} module groups in fp32 met the gates; "
                "built with none kept")
+    if not found["sensitivity"]:
+        return ("quantize.exclude: auto. Every module group quantized met the gates at the first attempt: none "
+                "kept in fp32, and no per-group ranking measured (it costs a quantized build per group).", [], attempts)
     sentence = (f"quantize.exclude: auto. Each module group quantized alone, the rest fp32, against the fp32 graph "
                 f"(teacher-forced on the calibration prompts), most sensitive first; kept in fp32: the shortest "
                 f"prefix that passed, less each group, heaviest first, that it passed without; {outcome}.")
@@ -144,8 +147,9 @@ def markdown(report: dict[str, Any]) -> str:
         lines += ["", "## Where accuracy goes", "", sentence, "",
                   "| " + " | ".join(ATTEMPT_COLUMNS) + " |", "|" + " --- |" * len(ATTEMPT_COLUMNS)]
         lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in attempts]
-        lines += ["", "| " + " | ".join(SENSITIVITY_COLUMNS) + " |", "|" + " --- |" * len(SENSITIVITY_COLUMNS)]
-        lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in groups]
+        if groups:
+            lines += ["", "| " + " | ".join(SENSITIVITY_COLUMNS) + " |", "|" + " --- |" * len(SENSITIVITY_COLUMNS)]
+            lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in groups]
     lines += ["", "## Worst prompts", "",
               "Continuations are greedy; the part after the first differing token is in bold.", ""]
     for p in worst_prompts(report):
@@ -221,6 +225,8 @@ def html_page(report: dict[str, Any]) -> str:
         parts.append(f"<h2>Where accuracy goes</h2><p>{e(sentence)}</p>")
         tables = (("attempts", ATTEMPT_COLUMNS, attempts), ("sensitivity", SENSITIVITY_COLUMNS, groups))
         for key, columns, rows in tables:
+            if not rows:
+                continue
             parts.append(f"<table id='{key}'><tr>" + "".join(f"<th>{e(c)}</th>" for c in columns) + "</tr>")
             parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
             parts.append("</table>")

@@ -45,14 +45,17 @@ def test_manifest_of_the_real_model(smollm2_artifact):
     # holds about one copy of the 135M parameters, not 135M + 28M.
     size = sum(manifest["files"][name]["size"] for name in manifest["variants"]["cpu-fp32"]["files"])
     assert size < 4 * 136_000_000
-    # cpu-int8's exclude: auto: every layer's attention and MLP and the tied LM head ranked, and the
-    # variant built with the fewest in fp32 that meet top-1 0.98 and perplexity 1% against eager.
+    # cpu-int8's exclude: auto: built with the fewest groups in fp32 that meet top-1 0.98 and perplexity 1%
+    # against eager; every layer's attention and MLP and the tied LM head ranked when all quantized misses.
     int8 = manifest["variants"]["cpu-int8"]
     assert int8["status"] == "built" and int8["accuracy"]["top1_agreement"] >= 0.98
     assert int8["accuracy"]["perplexity_change_abs"] <= 0.01
     found = json.loads((smollm2_artifact / int8["report"]).read_text())["exclude_auto"]
-    assert len(found["sensitivity"]) == 61 and "lm_head" in {r["group"] for r in found["sensitivity"]}
-    assert found["met_gates"] and len(found["groups_in_fp32"]) < 61  # none, on a CPU where smoothing suffices
+    assert found["met_gates"] and found["attempts"][0]["groups_in_fp32"] == 0
+    if found["groups_in_fp32"]:  # none, on the CPUs measured so far (smoothing suffices): no ranking then
+        assert len(found["sensitivity"]) == 61 and "lm_head" in {r["group"] for r in found["sensitivity"]}
+    else:
+        assert found["sensitivity"] == [] and len(found["attempts"]) == 1
     assert (smollm2_artifact / "tokenizer" / "chat_template.jinja").is_file() or \
         "chat_template" in (smollm2_artifact / "tokenizer" / "tokenizer_config.json").read_text()
 

@@ -51,7 +51,8 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
     report = json.loads((quantized / entry["report"]).read_text())
     assert report["quantize"]["kept_fp32"] == ["lm_head"]
     assert "TopK" not in ops and report["quantize"]["exact_top_logits"] == "off: the LM head is kept in fp32"
-    assert report["quantize"]["smoothing"]["folded_into"]["norm scales"] == 4  # each layer's two, not the head's
+    assert report["quantize"]["smoothing"]["folded_into"] == {  # each layer's two norms (not the head's), its
+        "norm scales": 4, "up_proj columns": 2, "v_proj columns": 2}  # up_proj before down_proj, its v_proj
 
     for variant in ("cpu-int4", "cpu-int4-gptq"):
         entry, graph = _graph(quantized, variant)

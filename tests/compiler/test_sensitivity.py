@@ -115,3 +115,12 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     assert "<table id='sensitivity'>" in (artifact / "reports" / "cpu-int4.html").read_text()
     graph = onnx.load(str(artifact / entry["model"]))
     assert weight_matmuls(graph)  # the kept groups' weights run in fp32
+
+    # Gates everything quantized meets: one attempt, and no per-group ranking (a build per group) at all.
+    artifact, entry, report = _compile(tiny_checkpoints, tmp_path / "loose", "{perplexity_change: 10.0}")
+    found = report["exclude_auto"]
+    assert entry["status"] == "built" and found["met_gates"] and found["sensitivity"] == []
+    assert [(a["groups_in_fp32"], a["failed_gates"]) for a in found["attempts"]] == [(0, [])]
+    assert report["quantize"]["kept_fp32"] == [] and not weight_matmuls(onnx.load(str(artifact / entry["model"])))
+    assert "no per-group ranking measured" in (artifact / "reports" / "cpu-int4.md").read_text()
+    assert "<table id='sensitivity'>" not in (artifact / "reports" / "cpu-int4.html").read_text()
