@@ -35,6 +35,9 @@ def prefix_variant(artifact: Path, variant: str, work: Path) -> tuple[Path, dict
     manifest = json.loads((artifact / "manifest.json").read_text())
     report = json.loads((artifact / manifest["variants"][variant]["report"]).read_text())
     found = report["exclude_auto"]
+    if found["met_gates"] and not found["sensitivity"]:
+        sys.exit(f"exclude_auto.py: {variant} in {artifact} met its gates with everything quantized, so the search "
+                 "kept nothing in fp32 and ranked nothing: there is no prefix to compare against")
     modules = {r["group"]: r["modules"] for r in found["sensitivity"]}
     ranked = [r["group"] for r in found["sensitivity"]]
     prefixes = [a for a in found["attempts"] if not a["failed_gates"] and a.get("groups") == ranked[:len(a["groups"])]]

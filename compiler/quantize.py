@@ -17,8 +17,8 @@ here has to guess what is good enough.
   int4 went from 72% top-1 agreement to 96.8% and from +30.8% perplexity to +0.18%.
   `rounding: gptq` rounds them by GPTQ instead of to the nearest level (compiler/gptq.py); on
   SmolLM2's int4 that lifts top-1 agreement from 72% to 78% on the held-out text.
-- int8-dynamic: `smoothing: ALPHA` folds SmoothQuant's per-channel scales into the RMSNorm scales and
-  up_proj columns first (compiler/smoothing.py), so int8 activation blocks lose less.
+- int8-dynamic: `smoothing: ALPHA` folds SmoothQuant's per-channel scales into the RMSNorm scales,
+  up_proj's and v_proj's columns first (compiler/smoothing.py), so int8 activation blocks lose less.
 - int8-dynamic, int4: a quantized LM head's `exact_top_logits` highest logits are recomputed in
   fp32 from its fp32 rows (_rescore_top_logits): SmolLM2's all-quantized int8 went from 97.3% to
   98.1% top-1 agreement on the held-out text, int4 from 96.2% to 96.6%.

@@ -113,7 +113,8 @@ class QuantizeSpec(_Strict):
     rounding: Literal["nearest", "gptq"] = "nearest"
     # Module-path globs kept in fp32, e.g. ["lm_head", "model.layers.*.mlp.down_proj"], or `auto`: the
     # module groups the variant needs to meet its gates, most sensitive first, less the heavy ones it
-    # passes without (compiler/sensitivity.py; a per-group sensitivity table in its report).
+    # passes without; none if everything quantized passes (compiler/sensitivity.py; a per-group
+    # sensitivity table in its report when one was needed).
     exclude: list[str] | Literal["auto"] = []
     # int8-dynamic, int4, with the LM head quantized: its this-many highest logits recomputed in fp32
     # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens see the fp32 head's

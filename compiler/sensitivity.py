@@ -1,6 +1,8 @@
 """`quantize.exclude: auto`: which modules a quantized variant keeps in fp32, and where its accuracy goes.
 
-Two steps, both measured under ONNX Runtime on the graphs that would ship:
+Two steps, both measured under ONNX Runtime on the graphs that would ship, and both skipped when the
+variant with every group quantized meets its gates (the pipeline builds and measures that first: one
+build, where the ranking costs one per group):
 
 1. Sensitivity (`layer_sensitivity`): each module group (a decoder layer's attention projections, its
    MLP projections, the LM head) quantized alone, every other weight left in fp32; the KL divergence of
