@@ -50,6 +50,23 @@ def test_smoothing_moves_ranges_into_weights_without_changing_the_logits(tiny_ar
     assert not (tmp_path / "work").exists()  # the graph copy read for ranges is gone, and its folder
 
 
+
+def test_smoothing_keeps_every_familys_logits(tiny_artifacts, family, tmp_path):
+    """Each family's fused fp32 graph, smoothed wherever the folds find a place (none for LayerNorm
+    families, v_proj where attention reads it directly), computes the same logits."""
+    artifact = tiny_artifacts[family]
+    entry = json.loads((artifact / "manifest.json").read_text())["variants"]["cpu-fp32"]
+    source = OnnxArtifact((artifact / entry["model"]).parent, entry["interface"], None, 0)
+    proto = onnx.load(str(source.model_path))
+    report = smooth(proto, source, [[5, 17, 42, 7, 99, 3], [11, 12, 13, 200, 8]], 0.5, tmp_path / "work")
+    smoothed = tmp_path / "smoothed.onnx"
+    onnx.save(proto, str(smoothed), save_as_external_data=True, location="smoothed.onnx.data")
+    ids = [3, 14, 15, 92, 65, 35, 89]
+    want, got = _logits(source.model_path, entry["interface"], ids), _logits(smoothed, entry["interface"], ids)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+    if family in ("llama", "mistral", "gemma", "granite"):  # RMSNorm and GQA reading v_proj: both folds found
+        assert report["folded_into"]["norm scales"] == 4 and report["folded_into"]["v_proj columns"] == 2
+
 def test_smoothing_is_for_int8_dynamic_only():
     from pydantic import ValidationError
 
