@@ -65,17 +65,16 @@ def activations(proto: Any, names: set[str], interface: dict[str, Any], sequence
     if isinstance(proto, Path):
         graph = onnx.load(str(proto), load_external_data=False)
         path = proto.with_name(f".activations-{os.getpid()}.onnx")  # its weights' paths are relative
+        external: dict[str, Any] = {}
     else:
         graph = onnx.ModelProto()
         graph.CopyFrom(proto)
         work.mkdir(parents=True, exist_ok=True)
         path = work / "activations.onnx"
+        external = {"save_as_external_data": True, "location": path.name + ".data"}
     declared = {o.name for o in graph.graph.output}
     graph.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sorted(names - declared))
-    if isinstance(proto, Path):
-        onnx.save(graph, str(path))
-    else:
-        onnx.save(graph, str(path), save_as_external_data=True, location=path.name + ".data")
+    onnx.save(graph, str(path), **external)
     del graph
     options = ort.SessionOptions()
     options.log_severity_level = 3

@@ -499,7 +499,6 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
     groups = weight_groups(graph)
     attempts: list[dict[str, Any]] = []
     total = sum(sum(members.values()) for members in groups.values()) or 1
-    ranking: list[dict[str, Any]] = []
 
     def attempt(kept: Sequence[dict[str, Any]]) -> bool:
         candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])

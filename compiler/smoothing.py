@@ -52,16 +52,13 @@ def smooth(proto: Any, source: Any, calibration: Sequence[list[int]], alpha: flo
     def store(name: str, array: np.ndarray) -> None:
         inits[name].CopyFrom(numpy_helper.from_array(array.astype(np.float32), name))
 
-    def factors_of(activation_range: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    def factors(activation_range: np.ndarray, rows: np.ndarray) -> np.ndarray:
         return (np.maximum(activation_range, 1e-5) ** alpha / np.maximum(rows, 1e-5) ** (1 - alpha)
                 ).astype(np.float32)
 
-    def factors(activation: str, rows: np.ndarray) -> np.ndarray:
-        return factors_of(ranges[activation], rows)
-
     for activation, (norm, index, users) in norms.items():
         weights = [weight(u) for u in users]
-        s = factors(activation, np.max([np.abs(w).max(1) for w in weights], 0))
+        s = factors(ranges[activation], np.max([np.abs(w).max(1) for w in weights], 0))
         scale = numpy_helper.to_array(inits[norm.input[index]], folder)
         shared = norm.input[index]
         if len(readers[shared]) > 1:  # equal scales stored once (all ones, say): this norm gets its own
@@ -75,7 +72,7 @@ def smooth(proto: Any, source: Any, calibration: Sequence[list[int]], alpha: flo
             store(user.input[1], w * s[:, None])
     for activation, (up, down) in mlps.items():
         down_weight = weight(down)
-        s = factors(activation, np.abs(down_weight).max(1))
+        s = factors(ranges[activation], np.abs(down_weight).max(1))
         store(up.input[1], weight(up) / s[None, :])
         store(down.input[1], down_weight * s[:, None])
     for activation, (v_proj, o_proj, heads, kv_heads) in attentions.items():
@@ -87,7 +84,7 @@ def smooth(proto: Any, source: Any, calibration: Sequence[list[int]], alpha: flo
         shared_range, shared_rows = np.zeros(kv_heads * width), np.zeros(kv_heads * width)
         np.maximum.at(shared_range, source_of, ranges[activation])
         np.maximum.at(shared_rows, source_of, np.abs(o_weight).max(1))
-        s = factors_of(shared_range, shared_rows)
+        s = factors(shared_range, shared_rows)
         v_weight[:, first:] /= s[None, :]
         store(v_proj.input[1], v_weight)
         store(o_proj.input[1], o_weight * s[source_of][:, None])
@@ -98,8 +95,8 @@ def smooth(proto: Any, source: Any, calibration: Sequence[list[int]], alpha: flo
 
 def _sites(proto: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], dict[str, list[Any]]]:
     """Where a division folds for free, each keyed by the activation it smooths: norms, MLPs and
-    attentions as `smooth` reads them, and each tensor's readers. Reads names and attributes only, so a
-    graph loaded without its weights gives the same answer."""
+    attentions as `smooth` reads them, and each tensor's readers. Reads names and attributes only: a
+    graph loaded without its weights will do."""
     from .quantize import lm_head, weight_matmuls
 
     graph = proto.graph
@@ -147,20 +144,15 @@ def _sites(proto: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], 
     return norms, mlps, attentions, readers
 
 
-def activation_ranges(source: Any, calibration: Sequence[list[int]], work: Path, names: set[str] | None = None
+def activation_ranges(source: Any, calibration: Sequence[list[int]], work: Path, names: set[str]
                       ) -> dict[str, np.ndarray]:
-    """max |x_j| per channel of each activation smoothing can fold (or of `names`) over the calibration
-    prompts and their greedy continuations, read from the source graph's file with its weights where
-    they lie (no copy of them in memory) and kept for the next call on the same file."""
-    import onnx
-
+    """max |x_j| per channel of each named activation over the calibration prompts and their greedy
+    continuations, read from the source graph's file with its weights where they lie (no copy of them
+    in memory) and kept for the next call on the same file."""
     from .gptq import activations, calibration_sequences
 
     path = Path(source.model_path).resolve()
     key = (str(path), path.stat().st_mtime_ns, hash(tuple(map(tuple, calibration))))
-    if names is None:
-        norms, mlps, attentions, _ = _sites(onnx.load(str(path), load_external_data=False))
-        names = {*norms, *mlps, *attentions}
     if key not in _RANGES or not names <= _RANGES[key].keys():
         sequences = calibration_sequences(source.model_path, source.interface, calibration, pad_id=0)
         found: dict[str, np.ndarray] = {}
