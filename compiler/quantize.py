@@ -12,11 +12,9 @@ here has to guess what is good enough.
   teacher-forced top-1 agreement with fp32 against 97% for blocks of 32. accuracy_level 0 (fp32
   activations) has no fast 8-bit kernel on x86: 194 ms a decode step against 13 ms. A weight
   already on a symmetric int8 grid (a GGUF Q8_0 tensor) keeps that grid exactly, at 8 bits in
-  both modes, but for int4's LM head where its top logits are recomputed in fp32 (4 bits then cost
-  no top-1 agreement on SmolLM2 and made a step 1.24x faster); in the int4 mode a weight on a 4-bit
-  grid (a GGUF Q4_1 tensor) keeps its 16 levels exactly, its fractional zero points corrected by
-  the op itself (_encode_int4_grid): SmolLM2's int4 went from 72% top-1 agreement to 96.8% and
-  from +30.8% perplexity to +0.18%.
+  both modes; in the int4 mode a weight on a 4-bit grid (a GGUF Q4_1 tensor) keeps its 16 levels
+  exactly, its fractional zero points corrected by the op itself (_encode_int4_grid): SmolLM2's
+  int4 went from 72% top-1 agreement to 96.8% and from +30.8% perplexity to +0.18%.
   `rounding: gptq` rounds them by GPTQ instead of to the nearest level (compiler/gptq.py); on
   SmolLM2's int4 that lifts top-1 agreement from 72% to 78% on the held-out text.
 - int8-dynamic: `smoothing: ALPHA` folds SmoothQuant's per-channel scales into the RMSNorm scales,
@@ -110,12 +108,8 @@ def _weight_blocks(bits: int) -> Callable[..., Made]:
         from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
         spec = variant.quantize
-        # A weight on an int8 grid keeps it at 8 bits in the 4-bit mode too: 4 bits would re-round it. Not
-        # an LM head whose top logits are recomputed in fp32: on SmolLM2's int4 its Q8_0 head at 4 bits
-        # kept top-1 agreement (0.972 text, 0.980 prompts) at perplexity +0.73% against +0.28%, and made
-        # a batch-1 step 1.24x faster (its 8-bit head was a fifth of the step).
-        head = lm_head(proto) if bits == 4 and spec.exact_top_logits else None
-        exact = _on_int8_grid(proto, spec.block_size, [*excluded, *([head] if head else [])])
+        # A weight on an int8 grid keeps it at 8 bits in the 4-bit mode too: 4 bits would re-round it.
+        exact = _on_int8_grid(proto, spec.block_size, excluded)
         # A weight on a 4-bit grid (GGUF Q4_1) keeps its levels exactly in the 4-bit mode. Not at 8 bits:
         # measured on SmolLM2, exact levels there gave perplexity -0.27% against +1.14% but top-1 on the
         # held-out text 95.6% against 98.1%, with 240 nodes more; 8-bit blocks are within 1/34 of a

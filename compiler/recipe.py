@@ -118,12 +118,11 @@ class QuantizeSpec(_Strict):
     exclude: list[str] | Literal["auto"] = []
     # int8-dynamic, int4, with the LM head quantized: its this-many highest logits recomputed in fp32
     # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens see the fp32 head's
-    # order among them (the rest stay quantized); 0 turns it off. In the int4 mode it also puts a head
-    # that lies on an int8 grid (GGUF Q8_0) at 4 bits, where 0 keeps that grid at 8.
+    # order among them (the rest stay quantized); 0 turns it off.
     exact_top_logits: int = Field(32, ge=0, le=256)
     # int8-dynamic: SmoothQuant's migration strength (0..1): each activation channel's range moved that
-    # far into the weights before quantizing, folded into the RMSNorm scales, up_proj's and v_proj's
-    # columns (compiler/smoothing.py). Unset: no smoothing.
+    # far into the weights before quantizing, folded into the RMSNorm scales and up_proj's columns
+    # (compiler/smoothing.py). Unset: no smoothing.
     smoothing: float | None = Field(None, ge=0, le=1)
 
     @field_validator("exclude", mode="before")

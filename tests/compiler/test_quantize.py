@@ -254,43 +254,6 @@ def test_a_weight_on_an_int8_grid_keeps_it_exactly():
     assert np.abs(a - x @ on_grid).max() < 0.02 * np.abs(x @ on_grid).max()  # int8 activations, exact weights
 
 
-@pytest.mark.parametrize("top", [32, 0])
-def test_int4_puts_a_q8_0_head_at_4_bits_where_its_top_logits_are_recomputed(tmp_path, top):
-    """In the int4 mode an LM head on an int8 grid goes to 4 bits when its top logits are recomputed
-    in fp32 (they then equal x @ w exactly), and keeps its grid at 8 bits when they are not."""
-    from types import SimpleNamespace
-
-    import onnxruntime as ort
-    from onnx import helper, numpy_helper
-
-    from compiler.quantize import _weight_blocks
-    from compiler.recipe import Variant
-
-    rng = np.random.default_rng(0)
-    k, vocab, block = 64, 96, 32
-    codes = rng.integers(-127, 128, (vocab, k // block, block))
-    codes[:, :, 0] = 127
-    head = (codes * rng.uniform(0.001, 0.01, (vocab, k // block, 1))).astype(np.float32).reshape(vocab, k).T.copy()
-    graph = helper.make_graph([helper.make_node("MatMul", ["x", "head"], ["logits"], name="lm_head")], "g",
-                              [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, 1, k])],
-                              [helper.make_tensor_value_info("logits", onnx.TensorProto.FLOAT, [1, 1, vocab])],
-                              [numpy_helper.from_array(head, "head")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
-    variant = Variant(name="v", target="onnxruntime", quantize={"mode": "int4", "exact_top_logits": top})
-
-    _, exact, _ = _weight_blocks(4)(model, SimpleNamespace(interface={}), variant, [], [], tmp_path)
-    quantized = onnx.load(str(tmp_path / "model.onnx"))
-    assert [a.i for n in quantized.graph.node if n.op_type == "MatMulNBits" for a in n.attribute
-            if a.name == "bits"] == [4 if top else 8]
-    assert exact == ([] if top else ["lm_head"])
-    x = rng.standard_normal((1, 1, k)).astype(np.float32)
-    logits = ort.InferenceSession(str(tmp_path / "model.onnx"), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
-    reference = x @ head
-    if top:  # its 32 highest are fp32's own numbers; the rest carry 4-bit rounding
-        assert np.sum(np.isclose(logits, reference, rtol=1e-5, atol=1e-6)) >= top
-    assert np.abs(logits - reference).max() < 0.2 * np.abs(reference).max()
-
-
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits):
     """A GGUF Q4_1 tensor (blocks of d * q + m, q = 0..15) is encoded with its own levels, at 4 bits or
