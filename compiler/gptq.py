@@ -82,13 +82,14 @@ def activations(proto: Any, names: set[str], interface: dict[str, Any], sequence
     ordered = sorted(names)
     past = expand(interface["inputs"][3:], interface["layers"])
     shared = interface.get("kv_sharing") == "shared-buffer"
+    kv_dtype = np.dtype(interface["inputs"][3]["dtype"])  # float16 in an fp16 graph
     try:
         for ids in sequences:
             n = len(ids)
             feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
                     "position_ids": np.arange(n, dtype=np.int64)[None]}
             feed.update({name: np.zeros((1, interface["kv_heads"], n if shared else 0, interface["head_dim"]),
-                                        np.float32) for name in past})
+                                        kv_dtype) for name in past})
             yield dict(zip(ordered, session.run(ordered, feed), strict=True))
     finally:
         del session

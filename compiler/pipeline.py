@@ -60,7 +60,7 @@ from .recipe import (
     with_max_context,
 )
 from .report import write_report
-from .sensitivity import layer_sensitivity, lightest_kept, weight_elements, weight_groups, with_exclude
+from .sensitivity import layer_sensitivity, lightest_kept, residual_errors, weight_elements, weight_groups, with_exclude
 from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
 from .validate_export import CASES, EagerCase, eager_cases, validate_export
 
@@ -406,8 +406,11 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         with log.step("quantize"):
             optimized_graph = graph
             graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
-            _drop_superseded(optimized_graph, graph)
             check_finite(graph, calibration, variant.name)
+        with log.step("layerwise error against fp32"):
+            report["layerwise"] = residual_errors(optimized_graph, graph, calibration)
+        _note_layerwise(report["layerwise"], log)
+        _drop_superseded(optimized_graph, graph)
     if variant.target == "onnxruntime" and variant.fuse:
         with log.step("pack_matmuls"):
             unpacked = graph
@@ -440,8 +443,9 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         comparison = assemble(eager, candidate, data.inputs, data.prompts, gates,
                               measure(backend, data.inputs, reference, into=work / "logits"))
         shutil.rmtree(work / "logits")
-        if "exclude_auto" in report:  # where the accuracy went, beside what it came to
-            comparison["exclude_auto"] = report["exclude_auto"]
+        for where in ("exclude_auto", "layerwise"):  # where the accuracy went, beside what it came to
+            if where in report:
+                comparison[where] = report[where]
         write_report(comparison, staging / "reports", stem=stem)
         return comparison
 
@@ -481,6 +485,15 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if variant.target == "tensorrt":
         return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
     return {**entry, **summary, "status": "built"}
+
+
+def _note_layerwise(records: list[dict[str, Any]], log: StageLog) -> None:
+    if not records:
+        log.note("layerwise error: no residual stream points named in this graph (skip norms: fuse is off)")
+        return
+    most = sorted(records, key=lambda r: -r["added"])[:3]
+    log.note(f"layerwise error: the residual stream ends {records[-1]['relative_error']:.2%} off fp32; most added by "
+             + ", ".join(f"{r['block']} ({r['added']:+.2%})" for r in most))
 
 
 def _drop_superseded(old: OnnxArtifact, new: OnnxArtifact) -> None:

@@ -114,6 +114,23 @@ def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[lis
     return sentence, groups, attempts
 
 
+LAYERWISE_COLUMNS = ["block", "residual stream error after it", "added by it"]
+
+
+def _layerwise(report: dict[str, Any]) -> tuple[str, list[list[str]]] | None:
+    """The quantized variant's residual stream error after each block, if it has one: (a sentence, rows)."""
+    records = report.get("layerwise")
+    if not records:
+        return None
+    most = sorted(records, key=lambda r: -r["added"])[:3]
+    sentence = ("Layer by layer: the residual stream after each attention and MLP block, this variant's graph "
+                "against its fp32 graph on the calibration prompts (per token |quantized - fp32| / |fp32|, "
+                "averaged). The error carried in passes through each block, so a block's addition is what it "
+                "adds to that, not its cost alone. Largest additions: "
+                + ", ".join(f"{r['block']} ({r['added']:+.2%})" for r in most) + ".")
+    return sentence, [[r["block"], f"{r['relative_error']:.2%}", f"{r['added']:+.2%}"] for r in records]
+
+
 def _verdict(report: dict[str, Any]) -> str:
     if not report["gates"]:
         return "NO GATES (measured only)"
@@ -141,15 +158,21 @@ def markdown(report: dict[str, Any]) -> str:
         lines.append("")
     lines += ["## Summary", "", "| metric | value |", "| --- | --- |"]
     lines += [f"| {label} | {fmt(key, s[key])} |" for label, key, _ in SUMMARY_ROWS]
-    table = _sensitivity(report)
+    table, layerwise = _sensitivity(report), _layerwise(report)
+    if table or layerwise:
+        lines += ["", "## Where accuracy goes"]
     if table:
         sentence, groups, attempts = table
-        lines += ["", "## Where accuracy goes", "", sentence, "",
-                  "| " + " | ".join(ATTEMPT_COLUMNS) + " |", "|" + " --- |" * len(ATTEMPT_COLUMNS)]
+        lines += ["", sentence, "", "| " + " | ".join(ATTEMPT_COLUMNS) + " |", "|" + " --- |" * len(ATTEMPT_COLUMNS)]
         lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in attempts]
         if groups:
             lines += ["", "| " + " | ".join(SENSITIVITY_COLUMNS) + " |", "|" + " --- |" * len(SENSITIVITY_COLUMNS)]
             lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in groups]
+    if layerwise:
+        sentence, rows = layerwise
+        lines += ["", _md_text(sentence), "", "| " + " | ".join(LAYERWISE_COLUMNS) + " |",
+                  "|" + " --- |" * len(LAYERWISE_COLUMNS)]
+        lines += ["| " + " | ".join(_md_text(c) for c in row) + " |" for row in rows]
     lines += ["", "## Worst prompts", "",
               "Continuations are greedy; the part after the first differing token is in bold.", ""]
     for p in worst_prompts(report):
@@ -219,17 +242,23 @@ def html_page(report: dict[str, Any]) -> str:
     parts.append("<h2>Summary</h2><table id='summary'><tr><th>metric</th><th>value</th></tr>")
     parts += [f"<tr><td>{e(label)}</td><td class='num'>{fmt(key, s[key])}</td></tr>" for label, key, _ in SUMMARY_ROWS]
     parts.append("</table>")
-    table = _sensitivity(report)
+    table, layerwise = _sensitivity(report), _layerwise(report)
+    sections: list[tuple[str, list[tuple[str, list[str], list[list[str]]]]]] = []
     if table:
         sentence, groups, attempts = table
-        parts.append(f"<h2>Where accuracy goes</h2><p>{e(sentence)}</p>")
-        tables = (("attempts", ATTEMPT_COLUMNS, attempts), ("sensitivity", SENSITIVITY_COLUMNS, groups))
+        sections.append((sentence, [("attempts", ATTEMPT_COLUMNS, attempts),
+                                    ("sensitivity", SENSITIVITY_COLUMNS, groups)]))
+    if layerwise:
+        sections.append((layerwise[0], [("layerwise", LAYERWISE_COLUMNS, layerwise[1])]))
+    if sections:
+        parts.append("<h2>Where accuracy goes</h2>")
+    for sentence, tables in sections:
+        parts.append(f"<p>{e(sentence)}</p>")
         for key, columns, rows in tables:
-            if not rows:
-                continue
-            parts.append(f"<table id='{key}'><tr>" + "".join(f"<th>{e(c)}</th>" for c in columns) + "</tr>")
-            parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
-            parts.append("</table>")
+            if rows:
+                parts.append(f"<table id='{key}'><tr>" + "".join(f"<th>{e(c)}</th>" for c in columns) + "</tr>")
+                parts += ["<tr>" + "".join(f"<td>{e(c)}</td>" for c in row) + "</tr>" for row in rows]
+                parts.append("</table>")
     parts.append("<h2>Per position</h2>")
     parts += [f"<figure>{svg}</figure>" for svg in _plots(report)]
     parts.append("<h2>Worst prompts</h2><p>Greedy continuations of A and B; "

@@ -21,6 +21,13 @@ build, where the ranking costs one per group):
    recorded, so a case where it does not shows in the report. The attempts are gated on the gates'
    own held-out text and prompts, so for an `exclude: auto` variant those are the search's stopping
    rule as well as its measurement, no longer an independent estimate.
+
+Every quantized variant also gets a layerwise comparison (`residual_errors`, Polygraphy's per-tensor
+comparison of two runners, on the points that matter): the residual stream after each attention and
+MLP block, quantized graph against fp32 graph on the calibration prompts, and how much each block adds
+to its error. It costs two prefills, not a build per group, so it is there when everything quantized
+passes too, and the residual stream is what smoothing leaves unchanged (a norm's or up_proj's output
+is not).
 """
 
 from __future__ import annotations
@@ -39,6 +46,8 @@ from .progress import release_freed_memory
 from .recipe import Variant
 
 SENSITIVITY_ROW_TOKENS = 64  # the calibration prompts, joined and cut into teacher-forced rows this long
+LAYERWISE_ROWS = 8  # of those rows, compared layer by layer (512 tokens: 72 MB of SmolLM2's residual stream)
+SKIP_NORMS = ("SkipSimplifiedLayerNormalization", "SkipLayerNormalization")
 
 
 def module_groups(paths: Sequence[str]) -> dict[str, list[str]]:
@@ -173,3 +182,69 @@ def lightest_kept(ranking: Sequence[dict[str, Any]],
         if passes(fewer):
             kept = fewer
     return kept
+
+
+def residual_stream(proto: Any) -> list[tuple[str, tuple[str, ...]]]:
+    """(block, tensors) for each point of a fused graph's residual stream, in graph order: the sum each
+    skip norm writes (its fourth output; where nothing reads that, as after the last layer, the two
+    tensors it adds, to be summed), named after the block whose output it adds (`model.layers.3.mlp`:
+    the module group of the nearest weight MatMul above that input). Empty for a graph without skip
+    norms (fuse: false)."""
+    from .quantize import weight_matmuls
+
+    groups = {node: path.rsplit(".", 1)[0] for node, path in weight_matmuls(proto).items()}
+    producer = {out: node for node in proto.graph.node for out in node.output}
+
+    def block_of(tensor: str) -> str | None:
+        frontier = [tensor]
+        for _ in range(4):  # through a bias Add or a post-block norm (Gemma 2) to the projection
+            nodes = [producer[t] for t in frontier if t in producer]
+            found = next((groups[n.name] for n in nodes if n.name in groups), None)
+            if found or not nodes:
+                return found
+            frontier = [i for n in nodes if n.op_type not in SKIP_NORMS for i in n.input]
+        return None
+
+    points = []
+    for node in proto.graph.node:
+        if node.op_type in SKIP_NORMS:
+            block = next((b for b in map(block_of, node.input[:2]) if b), node.name)
+            summed = (node.output[3],) if len(node.output) > 3 and node.output[3] else tuple(node.input[:2])
+            points.append((block, summed))
+    return points
+
+
+def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: Sequence[list[int]]
+                    ) -> list[dict[str, Any]]:
+    """[{block, relative_error, added}] along the residual stream (residual_stream): each point's error in
+    the quantized graph, |q - r| / |r| per token against the fp32 graph, averaged over the first
+    LAYERWISE_ROWS calibration rows, and what the block added to the point before it. The error carried
+    in from earlier blocks passes through each block too, so `added` is what the block adds to it, not
+    what it would cost alone (the sensitivity ranking measures that)."""
+    import onnx
+
+    from .gptq import activations
+
+    points = residual_stream(onnx.load(str(source.model_path), load_external_data=False))
+    graph = onnx.load(str(quantized.model_path), load_external_data=False)
+    written = {out for node in graph.graph.node for out in node.output}
+    del graph
+    points = [(block, summed) for block, summed in points if set(summed) <= written]
+    if not points:
+        return []
+    names = {tensor for _, summed in points for tensor in summed}
+    rows = calibration_rows(calibration)[:LAYERWISE_ROWS]
+    reference = list(activations(Path(source.model_path), names, source.interface, rows, Path()))
+    errors: dict[tuple[str, ...], list[np.ndarray]] = {summed: [] for _, summed in points}
+    candidate = activations(Path(quantized.model_path), names, quantized.interface, rows, Path())
+    for expected, got in zip(reference, candidate, strict=True):
+        for summed in errors:
+            r, q = sum(expected[t] for t in summed), sum(got[t] for t in summed)  # [1, tokens, hidden]
+            errors[summed].append(np.linalg.norm(q - r, axis=-1).ravel()
+                                  / np.maximum(np.linalg.norm(r, axis=-1).ravel(), 1e-12))
+    records, before = [], 0.0
+    for block, summed in points:
+        error = float(np.concatenate(errors[summed]).mean())
+        records.append({"block": block, "relative_error": error, "added": error - before})
+        before = error
+    return records

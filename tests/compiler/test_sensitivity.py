@@ -123,4 +123,33 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     assert [(a["groups_in_fp32"], a["failed_gates"]) for a in found["attempts"]] == [(0, [])]
     assert report["quantize"]["kept_fp32"] == [] and not weight_matmuls(onnx.load(str(artifact / entry["model"])))
     assert "no per-group ranking measured" in (artifact / "reports" / "cpu-int4.md").read_text()
-    assert "<table id='sensitivity'>" not in (artifact / "reports" / "cpu-int4.html").read_text()
+    html = (artifact / "reports" / "cpu-int4.html").read_text()
+    assert "<table id='sensitivity'>" not in html
+    # Where accuracy goes is still there, layer by layer, from the one quantized graph.
+    assert [r["block"] for r in report["layerwise"]] == [f"model.layers.{i}.{part}" for i in (0, 1)
+                                                         for part in ("self_attn", "mlp")]
+    assert "<table id='layerwise'>" in html and "| model.layers.1.mlp |" in (artifact / "reports" / "cpu-int4.md").read_text()
+
+
+def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp_path):
+    """Only layer 1's MLP quantized: the residual stream matches fp32 up to it, and it adds the error."""
+    from compiler.export import OnnxArtifact
+    from compiler.quantize import quantize
+    from compiler.recipe import Variant
+    from compiler.sensitivity import residual_errors
+
+    artifact = tiny_artifacts["llama"]
+    entry = json.loads((artifact / "manifest.json").read_text())["variants"]["cpu-fp32"]
+    source = OnnxArtifact((artifact / entry["model"]).parent, entry["interface"], None, 0)
+    calibration = [[5, 17, 42, 7, 99, 3, 61, 62], [11, 12, 13, 200, 8, 9]]
+    variant = Variant(name="v", target="onnxruntime", quantize={
+        "mode": "int4", "exclude": ["model.layers.0.*", "model.layers.1.self_attn.*", "lm_head"]})
+    quantized, _ = quantize(source, variant, calibration, tmp_path / "quantized")
+
+    records = residual_errors(source, quantized, calibration)
+
+    assert [r["block"] for r in records] == ["model.layers.0.self_attn", "model.layers.0.mlp",
+                                             "model.layers.1.self_attn", "model.layers.1.mlp"]
+    assert all(r["relative_error"] < 1e-6 for r in records[:3])
+    assert records[3]["relative_error"] > 1e-3 and records[3]["added"] == max(r["added"] for r in records)
+    assert not list((artifact / "variants" / "cpu-fp32").glob(".activations-*"))  # the graph copies are gone
