@@ -23,6 +23,9 @@ top-1 agreement and perplexity; and greedy tokens at batch 1 equal to eager's (p
 and batch 8's equal to the same backend's batch 1 (batch invariance, of 16).
 Floors, from this machine's own measurements: batch 1 fp32 = read bandwidth / fp32 weight bytes;
 batch 32 fp32 = the job's FLOPs (prompt + new tokens, 2 per weight each) at the fp32 GEMM rate.
+Noise: Kiln rows whose graphs are the same bytes (the manifests' sha256; the main recipe's cpu-int8
+and the all-quantized one when `exclude: auto` keeps nothing) are printed with how far apart their
+tok/s came out, the run's own measure of what a ratio near 1 means (20% at batch 1 in one run here).
 --before names an older build of the quantized variants (a --work's kiln-quantized folder compiled by
 an earlier Kiln): its cpu-int4 and cpu-int8 run in the same rounds as rows marked "before", so a
 change to the compiler is measured side by side with what it replaced.
@@ -136,6 +139,8 @@ class Kiln:
 
         self.name = label or f"Kiln {variant}"
         self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
+        manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+        self.graph = tuple(manifest["files"][f]["sha256"] for f in manifest["variants"][variant]["files"])
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
         from runtime.sampling import SamplingParams
@@ -328,6 +333,29 @@ def timed_round(args, number: int) -> dict:
     return cells
 
 
+def cpu_model() -> dict:
+    """The CPU's name and the matrix and vector extensions ONNX Runtime's kernels choose by: the VMs
+    this is run on change between runs, and so do its ratios."""
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_int8", "amx_bf16")
+    return {"model": name, "cores": os.cpu_count(), "flags": [f for f in wanted if f in flags]}
+
+
+def noise_from_twins(backends: list, rows: list[dict]) -> list[dict]:
+    """Kiln rows that run byte-identical graphs (by the manifests' sha256), and how far apart their tok/s
+    came out (largest / smallest - 1, per batch size): the run's own measure of its noise."""
+    by_graph: dict[tuple, list[dict]] = {}
+    for backend, row in zip(backends, rows, strict=True):
+        if isinstance(backend, Kiln):
+            by_graph.setdefault(backend.graph, []).append(row)
+    return [{"backends": [r["backend"] for r in same],
+             "spread": {b: max(r[f"b{b}_tokens_per_s"] for r in same) / min(r[f"b{b}_tokens_per_s"] for r in same) - 1
+                        for b in BATCHES}}
+            for same in by_graph.values() if len(same) > 1]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default=str(ROOT / "out" / "smollm2-135m-instruct"))
@@ -391,12 +419,15 @@ def main() -> None:
             peer = genai_rows.get(row["backend"].split("cpu-")[1].split(",")[0])  # "Kiln cpu-int8, all ..." -> int8
             row["x_genai"] = ({b: row[f"b{b}_tokens_per_s"] / peer[f"b{b}_tokens_per_s"] for b in BATCHES}
                               if peer else None)
-    report = {"threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens, "prompts": PROMPTS,
+    twins = noise_from_twins(backends, rows_out)
+    report = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
+              "prompts": PROMPTS,
               "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))], "heldout_tokens": sum(map(len, rows)),
-              "floors": floors, "rows": rows_out}
+              "floors": floors, "rows": rows_out, "twins": twins}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
 
+    print(f"cpu: {report['cpu']['model']} ({report['cpu']['cores']} cores; {' '.join(report['cpu']['flags'])})")
     print(f"floors: fp32 b1 {floors['b1_fp32_tokens_per_s']:.1f} tok/s ({bandwidth:.1f} GB/s over "
           f"{weights / 1e6:.0f} MB); fp32 b32 {floors['b32_fp32_tokens_per_s']:.0f} tok/s ({gflops:.0f} GFLOP/s)")
     print("| backend | b1 tok/s | b8 | b32 | x genai (b1/b8/b32) | TTFT b1 / b32 ms | top-1 vs eager | ppl change "
@@ -408,6 +439,10 @@ def main() -> None:
         ttft = f"{r['b1_ttft_s'] * 1e3:.0f} / {r['b32_ttft_s'] * 1e3:.0f}"
         print(f"| {r['backend']} | {speeds} | {ratio} | {ttft} | {r['top1_agreement']:.3f} "
               f"| {r['perplexity_change']:+.2%} | {r['greedy_equal_eager']} | {r['batch8_equal_batch1']} |")
+    for twin in twins:
+        print(f"noise: {' and '.join(twin['backends'])} run the same graph, byte for byte, and are "
+              + " / ".join(f"{twin['spread'][b]:.0%}" for b in BATCHES)
+              + " apart at batch 1 / 8 / 32: ratios closer to 1 than that are this run's noise")
 
 
 if __name__ == "__main__":
