@@ -421,9 +421,8 @@ def main() -> None:
                               if peer else None)
     twins = noise_from_twins(backends, rows_out)
     report = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
-              "prompts": PROMPTS,
-              "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))], "heldout_tokens": sum(map(len, rows)),
-              "floors": floors, "rows": rows_out, "twins": twins}
+              "prompts": PROMPTS, "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
+              "heldout_tokens": sum(map(len, rows)), "floors": floors, "rows": rows_out, "twins": twins}
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
 

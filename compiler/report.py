@@ -117,17 +117,22 @@ def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[lis
 LAYERWISE_COLUMNS = ["block", "residual stream error after it", "added by it"]
 
 
+def largest_additions(records: list[dict[str, Any]], count: int = 3) -> str:
+    """The `count` blocks of a layerwise table (sensitivity.residual_errors) that added most, as
+    `block (+0.48%), ...`: for the compile log and the report alike."""
+    return ", ".join(f"{r['block']} ({r['added']:+.2%})" for r in sorted(records, key=lambda r: -r["added"])[:count])
+
+
 def _layerwise(report: dict[str, Any]) -> tuple[str, list[list[str]]] | None:
     """The quantized variant's residual stream error after each block, if it has one: (a sentence, rows)."""
     records = report.get("layerwise")
     if not records:
         return None
-    most = sorted(records, key=lambda r: -r["added"])[:3]
     sentence = ("Layer by layer: the residual stream after each attention and MLP block, this variant's graph "
                 "against its fp32 graph on the calibration prompts (per token |quantized - fp32| / |fp32|, "
                 "averaged). The error carried in passes through each block, so a block's addition is what it "
                 "adds to that, not its cost alone. Largest additions: "
-                + ", ".join(f"{r['block']} ({r['added']:+.2%})" for r in most) + ".")
+                + largest_additions(records) + ".")
     return sentence, [[r["block"], f"{r['relative_error']:.2%}", f"{r['added']:+.2%}"] for r in records]
 
 
