@@ -1,13 +1,15 @@
 """Decode steps of two or more Kiln variants side by side, with the order they were loaded in cancelled.
 
     python bench/ab_step.py NAME=ARTIFACT:VARIANT NAME=ARTIFACT:VARIANT [...] [--batch 1 32]
-                            [--threads 1 2] [--rounds 15] [--steps 15] [--past 45]
+                            [--threads 1 2] [--rounds 15] [--steps 15] [--past 45] [--alone]
                             [--output bench/results/ab_step.json]
 
 For a compiler change measured against the build it replaces (compile both, then e.g.
 `new=out/a:cpu-int4 old=/tmp/before:cpu-int4`). The step: `--batch` rows, one new token each after
 `--past` cached tokens, through Kiln's own backend (runtime.backend: KV buffers bound once, logits
-into an array of its own), the same step every time.
+into an array of its own), the same step every time. NAME=FOLDER names an onnxruntime-genai model
+folder instead (one with genai_config.json, as bench/peers.py builds them): its graph driven as genai
+drives it, past and present bound to one buffer per layer, logits into an array, no copy out.
 
 Why a tool of its own: on the 2-core VM this project is measured on, one graph loaded twice in one
 process ran 12% to 16% slower a step in the session created first than in the one created second
@@ -17,6 +19,11 @@ in a fresh process, and within a process the rounds interleave the variants with
 rotating too. Reported: the median step over all rounds of all processes, each variant's ratio to
 the first one named, and each variant's median by the position it was loaded in (the order effect,
 measured in the same run). Writes JSON and prints a Markdown table.
+
+`--alone` runs each variant in a process of its own instead (one round per process, the variants'
+processes alternating): two sessions in one process were measured to even out a gap that each alone
+showed (int8 against genai's int8 at batch 1 on the AMD VM: level together, ~7% apart alone), and a
+server runs one model per process.
 """
 
 from __future__ import annotations
@@ -33,12 +40,70 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 
+class GenaiGraph:
+    """An onnxruntime-genai model folder's graph behind the two calls worker() makes of a Kiln backend:
+    run the way genai runs it with `past_present_share_buffer` (its KV buffers bound as both the past
+    input and the present output of each layer, the mask's length saying how many slots are in use),
+    ONNX Runtime's session options from its genai_config.json but the thread count."""
+
+    def __init__(self, folder: Path, threads: int) -> None:
+        import onnxruntime as ort
+
+        config = json.loads((folder / "genai_config.json").read_text())
+        if not config["search"].get("past_present_share_buffer"):
+            raise SystemExit(f"error: {folder}'s genai_config.json does not share past and present buffers "
+                             "(search.past_present_share_buffer), the only way this tool runs a genai graph")
+        decoder = config["model"]["decoder"]
+        options = ort.SessionOptions()
+        options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(folder / decoder["filename"]), options,
+                                            providers=["CPUExecutionProvider"])
+        self.names = decoder["inputs"], decoder["outputs"]
+        self.layers, self.kv_heads = decoder["num_hidden_layers"], decoder["num_key_value_heads"]
+        self.head_dim = decoder["head_size"]
+        logits = next(o for o in self.session.get_outputs() if o.name == self.names[1]["logits"])
+        self.vocab_size = logits.shape[-1]
+
+    def new_cache(self, batch: int, capacity: int) -> dict:
+        import numpy as np
+
+        inputs, outputs = self.names
+        binding = self.session.io_binding()
+        buffers = []
+        for layer in range(self.layers):
+            for kind in ("key", "value"):
+                buffer = np.zeros((batch, self.kv_heads, capacity, self.head_dim), np.float32)
+                binding.bind_cpu_input(inputs[f"past_{kind}_names"] % layer, buffer)
+                binding.bind_output(outputs[f"present_{kind}_names"] % layer, "cpu", 0, np.float32, buffer.shape,
+                                    buffer.ctypes.data)
+                buffers.append(buffer)
+        logits = np.zeros((batch, 1, self.vocab_size), np.float32)
+        binding.bind_output(outputs["logits"], "cpu", 0, np.float32, logits.shape, logits.ctypes.data)
+        return {"binding": binding, "arrays": (buffers, logits)}  # the arrays: the memory bound above
+
+    def run(self, input_ids, attention_mask, position_ids, cache: dict):
+        inputs = self.names[0]
+        cache["binding"].bind_cpu_input(inputs["input_ids"], input_ids)
+        cache["binding"].bind_cpu_input(inputs["attention_mask"], attention_mask)
+        if "position_ids" in inputs:  # genai's builder derives positions in the graph; Kiln's graphs take them
+            cache["binding"].bind_cpu_input(inputs["position_ids"], position_ids)
+        self.session.run_with_iobinding(cache["binding"])
+        return cache["arrays"][1], cache
+
+    def close(self) -> None:
+        self.session = None
+
+
 def load(spec: str, threads: int, verify: bool = False):
-    """The backend for ARTIFACT:VARIANT (its files checked once, by the parent process)."""
+    """The backend for ARTIFACT:VARIANT, or a GenaiGraph for a genai model folder (an artifact's files
+    checked once, by the parent process)."""
     from runtime.artifact import Artifact
     from runtime.backend import open_backend
     from runtime.errors import KilnError
 
+    if (Path(spec) / "genai_config.json").is_file():
+        return GenaiGraph(Path(spec), threads)
     folder, _, variant = spec.rpartition(":")
     try:
         artifact = Artifact.open(folder, verify=verify)
@@ -74,37 +139,53 @@ def worker(order: list[tuple[str, str]], batch: int, threads: int, rounds: int, 
     return times
 
 
-def cell(variants: list[tuple[str, str]], batch: int, threads: int, rounds: int, steps: int, past: int) -> dict:
-    """One (batch, threads) cell: a fresh process per rotation of the load order."""
+def run_worker(order: list[tuple[str, str]], batch: int, threads: int, rounds: int, steps: int, past: int) -> dict:
+    job = json.dumps({"order": order, "batch": batch, "threads": threads, "rounds": rounds, "steps": steps,
+                      "past": past})
+    done = subprocess.run([sys.executable, __file__, "--worker", job], capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "a worker failed")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def cell(variants: list[tuple[str, str]], batch: int, threads: int, rounds: int, steps: int, past: int,
+         alone: bool = False) -> dict:
+    """One (batch, threads) cell: a fresh process per rotation of the load order, or (alone) a fresh
+    process per variant and round, the variants' order rotating each round."""
     pooled: dict[str, list[float]] = {name: [] for name, _ in variants}
     by_position: dict[str, list[float]] = {name: [0.0] * len(variants) for name, _ in variants}
-    for shift in range(len(variants)):
-        order = variants[shift:] + variants[:shift]
-        job = json.dumps({"order": order, "batch": batch, "threads": threads, "rounds": rounds, "steps": steps,
-                          "past": past})
-        done = subprocess.run([sys.executable, __file__, "--worker", job], capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else "a worker failed")
-        times = json.loads(done.stdout.strip().splitlines()[-1])
+    for shift in range(rounds if alone else len(variants)):
+        order = variants[shift % len(variants):] + variants[:shift % len(variants)]
+        if alone:
+            for entry in order:
+                pooled[entry[0]] += run_worker([entry], batch, threads, 1, steps, past)[entry[0]]
+            continue
+        times = run_worker(order, batch, threads, rounds, steps, past)
         for position, (name, _) in enumerate(order):
             pooled[name] += times[name]
             by_position[name][position] = statistics.median(times[name])
         print(f"batch {batch}, {threads} thread(s): load order {', '.join(n for n, _ in order)} done", file=sys.stderr)
+    if alone:
+        print(f"batch {batch}, {threads} thread(s): {rounds} rounds, each variant alone in a process", file=sys.stderr)
     first = statistics.median(pooled[variants[0][0]])
-    return {"batch": batch, "threads": threads, "variants": {
+    return {"batch": batch, "threads": threads, "alone": alone, "variants": {
         name: {"median_ms": statistics.median(pooled[name]), "ratio_to_first": statistics.median(pooled[name]) / first,
-               "median_ms_by_load_position": by_position[name], "rounds": len(pooled[name])}
+               # round by round (the variants' rounds run back to back): drift that spans a round cancels
+               "paired_ratio_to_first": statistics.median(
+                   a / b for a, b in zip(pooled[name], pooled[variants[0][0]], strict=True)),
+               "median_ms_by_load_position": None if alone else by_position[name], "ms": pooled[name]}
         for name, _ in variants}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("variants", nargs="*", help="NAME=ARTIFACT:VARIANT, two or more")
+    parser.add_argument("variants", nargs="*", help="NAME=ARTIFACT:VARIANT or NAME=GENAI_FOLDER, two or more")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--rounds", type=int, default=15, help="rounds per load order")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per round")
     parser.add_argument("--past", type=int, default=45, help="cached tokens before each step")
+    parser.add_argument("--alone", action="store_true", help="each variant in a process of its own")
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "ab_step.json")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -116,29 +197,30 @@ def main() -> None:
     variants = []
     for text in args.variants:
         name, equals, spec = text.partition("=")
-        if not equals or ":" not in spec:
-            raise SystemExit(f"error: {text!r} is not NAME=ARTIFACT:VARIANT, e.g. new=out/a:cpu-int4")
+        if not equals or (":" not in spec and not (Path(spec) / "genai_config.json").is_file()):
+            raise SystemExit(f"error: {text!r} is not NAME=ARTIFACT:VARIANT or NAME=GENAI_FOLDER (a folder with "
+                             "genai_config.json), e.g. new=out/a:cpu-int4")
         variants.append((name, spec))
     if len(variants) < 2:
         raise SystemExit("error: name two or more variants to compare, e.g. new=out/a:cpu-int4 old=/tmp/b:cpu-int4")
     for _, spec in variants:  # a bad name or a damaged artifact fails here, before any timing
         load(spec, 1, verify=True).close()
-    cells = [cell(variants, batch, threads, args.rounds, args.steps, args.past)
+    cells = [cell(variants, batch, threads, args.rounds, args.steps, args.past, args.alone)
              for batch in args.batch for threads in args.threads]
-    result = {"past": args.past, "steps": args.steps, "rounds_per_order": args.rounds,
+    result = {"past": args.past, "steps": args.steps, "rounds_per_order": args.rounds, "alone": args.alone,
               "variants": dict(variants), "cells": cells}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     names = [name for name, _ in variants]
     print(f"| batch | threads | {' | '.join(f'{n} ms' for n in names)} | "
-          f"{' | '.join(f'{n} / {names[0]}' for n in names[1:])} | by load position (ms, 1st/2nd/...) |")
+          f"{' | '.join(f'{n} / {names[0]} (paired)' for n in names[1:])} | by load position (ms, 1st/2nd/...) |")
     print("| ---: | ---: |" + " ---: |" * (2 * len(names) - 1) + " --- |")
     for c in cells:
         v = c["variants"]
         positions = "; ".join(f"{n} " + "/".join(f"{x:.2f}" for x in v[n]["median_ms_by_load_position"])
-                              for n in names)
+                              for n in names) if not c["alone"] else "(each alone)"
         medians = " | ".join(f"{v[n]['median_ms']:.2f}" for n in names)
-        ratios = " | ".join(f"{v[n]['ratio_to_first']:.3f}" for n in names[1:])
+        ratios = " | ".join(f"{v[n]['ratio_to_first']:.3f} ({v[n]['paired_ratio_to_first']:.3f})" for n in names[1:])
         print(f"| {c['batch']} | {c['threads']} | {medians} | {ratios} | {positions} |")
 
 
