@@ -59,7 +59,7 @@ from .recipe import (
     resolve_path,
     with_max_context,
 )
-from .report import largest_additions, write_report
+from .report import largest_additions, layerwise_ends, write_report
 from .sensitivity import layer_sensitivity, lightest_kept, residual_errors, weight_elements, weight_groups, with_exclude
 from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
 from .validate_export import CASES, EagerCase, eager_cases, validate_export
@@ -491,8 +491,7 @@ def _note_layerwise(records: list[dict[str, Any]], log: StageLog) -> None:
     if not records:
         log.note("layerwise error: no residual stream points named in this graph (skip norms: fuse is off)")
         return
-    log.note(f"layerwise error: the residual stream ends {records[-1]['relative_error']:.2%} off fp32; most added by "
-             f"{largest_additions(records)}")
+    log.note(f"layerwise error: {layerwise_ends(records)}; most added by {largest_additions(records)}")
 
 
 def _drop_superseded(old: OnnxArtifact, new: OnnxArtifact) -> None:

@@ -351,6 +351,26 @@ def lm_head(proto: Any) -> str | None:
     return node.name
 
 
+def lm_head_weight(proto: Any) -> tuple[str, str, str, bool] | None:
+    """The LM head of an fp32 graph as (module path, activation, weight initializer, transposed): the
+    MatMul that writes `logits`, its weight an initializer or, for a head tied to the embedding table,
+    a Transpose of one (transposed True: the initializer is [vocab, hidden]). None if another op writes
+    the logits."""
+    node = _logits_writer(proto.graph)
+    if node is None or node.op_type != "MatMul":
+        return None
+    weights = {i.name for i in proto.graph.initializer}
+    producer = next((n for n in proto.graph.node if node.input[1] in n.output), None)
+    if node.input[1] in weights:
+        weight, transposed = node.input[1], False
+    elif producer is not None and producer.op_type == "Transpose" and producer.input[0] in weights:
+        weight, transposed = producer.input[0], True
+    else:
+        return None
+    scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
+    return (_module_path(scopes) if scopes else "lm_head"), node.input[0], weight, transposed
+
+
 @dataclass(frozen=True)
 class ExactRows:
     """What _rescore_top_logits reads: the LM head's activation, and its fp32 weight as rows [vocab,

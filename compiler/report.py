@@ -114,7 +114,7 @@ def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[lis
     return sentence, groups, attempts
 
 
-LAYERWISE_COLUMNS = ["block", "residual stream error after it", "added by it"]
+LAYERWISE_COLUMNS = ["block", "error after it", "added by it"]
 
 
 def largest_additions(records: list[dict[str, Any]], count: int = 3) -> str:
@@ -123,17 +123,35 @@ def largest_additions(records: list[dict[str, Any]], count: int = 3) -> str:
     return ", ".join(f"{r['block']} ({r['added']:+.2%})" for r in sorted(records, key=lambda r: -r["added"])[:count])
 
 
+def layerwise_ends(records: list[dict[str, Any]]) -> str:
+    """Where a layerwise table ends: `the residual stream ends 2.48% off fp32, the logits 1.20% (the
+    LM head adds +0.10%)`; the logits part only where the table has that row."""
+    stream = [r for r in records if r.get("point", "residual stream") == "residual stream"]
+    logits = [r for r in records if r.get("point") == "logits"]
+    text = f"the residual stream ends {stream[-1]['relative_error']:.2%} off fp32" if stream else ""
+    if logits:
+        text += (", the logits " if text else "the logits ") + (
+            f"{logits[0]['relative_error']:.2%} off ({logits[0]['block']} adds {logits[0]['added']:+.2%})")
+    return text
+
+
 def _layerwise(report: dict[str, Any]) -> tuple[str, list[list[str]]] | None:
-    """The quantized variant's residual stream error after each block, if it has one: (a sentence, rows)."""
+    """The quantized variant's residual stream error after each block, then its logits' error, if it
+    has them: (a sentence, rows)."""
     records = report.get("layerwise")
     if not records:
         return None
     sentence = ("Layer by layer: the residual stream after each attention and MLP block, this variant's graph "
                 "against its fp32 graph on the calibration prompts (per token |quantized - fp32| / |fp32|, "
                 "averaged). The error carried in passes through each block, so a block's addition is what it "
-                "adds to that, not its cost alone. Largest additions: "
-                + largest_additions(records) + ".")
-    return sentence, [[r["block"], f"{r['relative_error']:.2%}", f"{r['added']:+.2%}"] for r in records]
+                "adds to that, not its cost alone.")
+    if any(r.get("point") == "logits" for r in records):
+        sentence += (" The last row is the logits (each prompt's last token where the graph computes only "
+                     "that one): the LM head's addition is their error less that of the fp32 head on this "
+                     "graph's own head input.")
+    sentence += f" In all: {layerwise_ends(records)}. Largest additions: {largest_additions(records)}."
+    return sentence, [[r["block"] + (" -> logits" if r.get("point") == "logits" else ""),
+                       f"{r['relative_error']:.2%}", f"{r['added']:+.2%}"] for r in records]
 
 
 def _verdict(report: dict[str, Any]) -> str:

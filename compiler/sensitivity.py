@@ -25,9 +25,9 @@ build, where the ranking costs one per group):
 Every quantized variant also gets a layerwise comparison (`residual_errors`, Polygraphy's per-tensor
 comparison of two runners, on the points that matter): the residual stream after each attention and
 MLP block, quantized graph against fp32 graph on the calibration prompts, and how much each block adds
-to its error. It costs two prefills, not a build per group, so it is there when everything quantized
-passes too, and the residual stream is what smoothing leaves unchanged (a norm's or up_proj's output
-is not).
+to its error, then the logits and what the LM head adds to theirs. It costs two prefills, not a build
+per group, so it is there when everything quantized passes too, and the residual stream is what
+smoothing leaves unchanged (a norm's or up_proj's output is not).
 """
 
 from __future__ import annotations
@@ -216,16 +216,26 @@ def residual_stream(proto: Any) -> list[tuple[str, tuple[str, ...]]]:
 
 def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: Sequence[list[int]]
                     ) -> list[dict[str, Any]]:
-    """[{block, relative_error, added}] along the residual stream (residual_stream): each point's error in
-    the quantized graph, |q - r| / |r| per token against the fp32 graph, averaged over the first
-    LAYERWISE_ROWS calibration rows, and what the block added to the point before it. The error carried
-    in from earlier blocks passes through each block too, so `added` is what the block adds to it, not
-    what it would cost alone (the sensitivity ranking measures that)."""
+    """[{block, point, relative_error, added}] along the residual stream (residual_stream), then at the
+    logits: each point's error in the quantized graph, |q - r| / |r| per token against the fp32 graph,
+    averaged over the first LAYERWISE_ROWS calibration rows, and what the block added to the point
+    before it. The error carried in from earlier blocks passes through each block too, so `added` is what
+    the block adds to it, not what it would cost alone (the sensitivity ranking measures that).
+
+    The logits row (point "logits", block the LM head's module group) is there when the fp32 graph's
+    head is a MatMul over an initializer (or its Transpose: a tied head): its `added` is the quantized
+    logits' error less that of the fp32 head applied to the quantized graph's own head input, i.e. what
+    the head's quantization adds to the error the stream carries into it. With `logits: last` it covers
+    each row's last token only."""
     import onnx
 
     from .gptq import activations
+    from .quantize import lm_head_weight
 
-    points = residual_stream(onnx.load(str(source.model_path), load_external_data=False))
+    proto = onnx.load(str(source.model_path), load_external_data=False)
+    points = residual_stream(proto)
+    head = lm_head_weight(proto)
+    del proto
     graph = onnx.load(str(quantized.model_path), load_external_data=False)
     written = {out for node in graph.graph.node for out in node.output}
     del graph
@@ -233,18 +243,51 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
     if not points:
         return []
     names = {tensor for _, summed in points for tensor in summed}
+    weight = None
+    if head is not None and head[1] in written:
+        head_group, head_input, weight_name, transposed = head
+        names |= {head_input, "logits"}
+        weight = _initializer(source.model_path, weight_name)
+        weight = weight.T if transposed else weight  # [hidden, vocab]
     rows = calibration_rows(calibration)[:LAYERWISE_ROWS]
     reference = list(activations(Path(source.model_path), names, source.interface, rows, Path()))
     errors: dict[tuple[str, ...], list[np.ndarray]] = {summed: [] for _, summed in points}
+    logits_errors: list[np.ndarray] = []
+    through_errors: list[np.ndarray] = []  # the fp32 head on the quantized graph's head input
     candidate = activations(Path(quantized.model_path), names, quantized.interface, rows, Path())
     for expected, got in zip(reference, candidate, strict=True):
         for summed in errors:
             r, q = sum(expected[t] for t in summed), sum(got[t] for t in summed)  # [1, tokens, hidden]
-            errors[summed].append(np.linalg.norm(q - r, axis=-1).ravel()
-                                  / np.maximum(np.linalg.norm(r, axis=-1).ravel(), 1e-12))
+            errors[summed].append(_relative(q, r))
+        if weight is not None:
+            r = expected["logits"]  # [1, tokens, vocab]: every token, or the last
+            logits_errors.append(_relative(got["logits"], r))
+            through_errors.append(_relative(got[head_input] @ weight, r))
     records, before = [], 0.0
     for block, summed in points:
         error = float(np.concatenate(errors[summed]).mean())
-        records.append({"block": block, "relative_error": error, "added": error - before})
+        records.append({"block": block, "point": "residual stream", "relative_error": error, "added": error - before})
         before = error
+    if logits_errors:
+        error = float(np.concatenate(logits_errors).mean())
+        records.append({"block": head_group, "point": "logits", "relative_error": error,
+                        "added": error - float(np.concatenate(through_errors).mean())})
     return records
+
+
+def _relative(q: np.ndarray, r: np.ndarray) -> np.ndarray:
+    """|q - r| / |r| for each token of [1, tokens, width] arrays."""
+    return np.linalg.norm(q - r, axis=-1).ravel() / np.maximum(np.linalg.norm(r, axis=-1).ravel(), 1e-12)
+
+
+def _initializer(model_path: Path | str, name: str) -> np.ndarray:
+    """One initializer of a graph file, its external data read from beside it."""
+    import onnx
+    from onnx import numpy_helper
+
+    proto = onnx.load(str(model_path), load_external_data=False)
+    tensor = next(i for i in proto.graph.initializer if i.name == name)
+    del proto
+    if tensor.data_location == onnx.TensorProto.EXTERNAL:
+        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(Path(model_path).parent))
+    return numpy_helper.to_array(tensor)

@@ -126,9 +126,12 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     html = (artifact / "reports" / "cpu-int4.html").read_text()
     assert "<table id='sensitivity'>" not in html
     # Where accuracy goes is still there, layer by layer, from the one quantized graph.
-    assert [r["block"] for r in report["layerwise"]] == [f"model.layers.{i}.{part}" for i in (0, 1)
-                                                         for part in ("self_attn", "mlp")]
-    assert "<table id='layerwise'>" in html and "| model.layers.1.mlp |" in (artifact / "reports" / "cpu-int4.md").read_text()
+    assert [(r["block"], r["point"]) for r in report["layerwise"]] == [
+        *((f"model.layers.{i}.{part}", "residual stream") for i in (0, 1) for part in ("self_attn", "mlp")),
+        ("lm_head", "logits")]
+    markdown = (artifact / "reports" / "cpu-int4.md").read_text()
+    assert "<table id='layerwise'>" in html and "| model.layers.1.mlp |" in markdown
+    assert "| lm\\_head -\\> logits |" in markdown  # Markdown-escaped
 
 
 def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp_path):
@@ -149,7 +152,31 @@ def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp
     records = residual_errors(source, quantized, calibration)
 
     assert [r["block"] for r in records] == ["model.layers.0.self_attn", "model.layers.0.mlp",
-                                             "model.layers.1.self_attn", "model.layers.1.mlp"]
+                                             "model.layers.1.self_attn", "model.layers.1.mlp", "lm_head"]
     assert all(r["relative_error"] < 1e-6 for r in records[:3])
     assert records[3]["relative_error"] > 1e-3 and records[3]["added"] == max(r["added"] for r in records)
+    # The head is fp32: the logits carry the stream's error, and the head adds nothing to it.
+    assert records[4]["point"] == "logits" and records[4]["relative_error"] > 1e-4 and abs(records[4]["added"]) < 1e-5
     assert not list((artifact / "variants" / "cpu-fp32").glob(".activations-*"))  # the graph copies are gone
+
+
+def test_layerwise_logits_row_shows_what_a_quantized_head_adds(tiny_artifacts, tmp_path):
+    """Only the LM head quantized: the stream matches fp32 everywhere, and the logits' error is the head's."""
+    from compiler.export import OnnxArtifact
+    from compiler.quantize import quantize
+    from compiler.recipe import Variant
+    from compiler.sensitivity import residual_errors
+
+    artifact = tiny_artifacts["llama"]
+    entry = json.loads((artifact / "manifest.json").read_text())["variants"]["cpu-fp32"]
+    source = OnnxArtifact((artifact / entry["model"]).parent, entry["interface"], None, 0)
+    calibration = [[5, 17, 42, 7, 99, 3, 61, 62], [11, 12, 13, 200, 8, 9]]
+    variant = Variant(name="v", target="onnxruntime", quantize={
+        "mode": "int4", "exclude": ["model.layers.*"], "exact_top_logits": 0})
+    quantized, _ = quantize(source, variant, calibration, tmp_path / "quantized")
+
+    *stream, logits = residual_errors(source, quantized, calibration)
+
+    assert all(r["relative_error"] < 1e-6 for r in stream)
+    assert logits["point"] == "logits" and logits["relative_error"] > 1e-3
+    assert abs(logits["added"] - logits["relative_error"]) < 1e-5
