@@ -44,26 +44,29 @@ class GenaiGraph:
     """An onnxruntime-genai model folder's graph behind the two calls worker() makes of a Kiln backend:
     run the way genai runs it with `past_present_share_buffer` (its KV buffers bound as both the past
     input and the present output of each layer, the mask's length saying how many slots are in use),
-    ONNX Runtime's session options from its genai_config.json but the thread count."""
+    with `threads` intra-op threads and one inter-op thread, as Kiln's backend and genai's CPU
+    config both set them."""
 
     def __init__(self, folder: Path, threads: int) -> None:
         import onnxruntime as ort
 
-        config = json.loads((folder / "genai_config.json").read_text())
-        if not config["search"].get("past_present_share_buffer"):
+        try:
+            config = json.loads((folder / "genai_config.json").read_text())
+            shared = config["search"].get("past_present_share_buffer")
+            decoder, self.vocab_size = config["model"]["decoder"], int(config["model"]["vocab_size"])
+            self.names = decoder["inputs"], decoder["outputs"]
+            self.layers, self.kv_heads = decoder["num_hidden_layers"], decoder["num_key_value_heads"]
+            self.head_dim, filename = decoder["head_size"], decoder["filename"]
+        except (KeyError, TypeError, ValueError) as exc:
+            raise SystemExit(f"error: {folder / 'genai_config.json'} is not an onnxruntime-genai decoder config "
+                             f"({type(exc).__name__}: {exc})") from None
+        if not shared:
             raise SystemExit(f"error: {folder}'s genai_config.json does not share past and present buffers "
                              "(search.past_present_share_buffer), the only way this tool runs a genai graph")
-        decoder = config["model"]["decoder"]
         options = ort.SessionOptions()
         options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
         options.log_severity_level = 3
-        self.session = ort.InferenceSession(str(folder / decoder["filename"]), options,
-                                            providers=["CPUExecutionProvider"])
-        self.names = decoder["inputs"], decoder["outputs"]
-        self.layers, self.kv_heads = decoder["num_hidden_layers"], decoder["num_key_value_heads"]
-        self.head_dim = decoder["head_size"]
-        logits = next(o for o in self.session.get_outputs() if o.name == self.names[1]["logits"])
-        self.vocab_size = logits.shape[-1]
+        self.session = ort.InferenceSession(str(folder / filename), options, providers=["CPUExecutionProvider"])
 
     def new_cache(self, batch: int, capacity: int) -> dict:
         import numpy as np
@@ -182,7 +185,8 @@ def main() -> None:
     parser.add_argument("variants", nargs="*", help="NAME=ARTIFACT:VARIANT or NAME=GENAI_FOLDER, two or more")
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 32])
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--rounds", type=int, default=15, help="rounds per load order")
+    parser.add_argument("--rounds", type=int, default=15,
+                        help="rounds per load order; with --alone, rounds in all (a process per variant each)")
     parser.add_argument("--steps", type=int, default=15, help="timed steps per round")
     parser.add_argument("--past", type=int, default=45, help="cached tokens before each step")
     parser.add_argument("--alone", action="store_true", help="each variant in a process of its own")
@@ -207,7 +211,8 @@ def main() -> None:
         load(spec, 1, verify=True).close()
     cells = [cell(variants, batch, threads, args.rounds, args.steps, args.past, args.alone)
              for batch in args.batch for threads in args.threads]
-    result = {"past": args.past, "steps": args.steps, "rounds_per_order": args.rounds, "alone": args.alone,
+    result = {"past": args.past, "steps": args.steps, "alone": args.alone,
+              ("rounds" if args.alone else "rounds_per_order"): args.rounds,
               "variants": dict(variants), "cells": cells}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")

@@ -226,7 +226,7 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
     head is a MatMul over an initializer (or its Transpose: a tied head): its `added` is the quantized
     logits' error less that of the fp32 head applied to the quantized graph's own head input, i.e. what
     the head's quantization adds to the error the stream carries into it. With `logits: last` it covers
-    each row's last token only."""
+    each row's last token only (LAYERWISE_ROWS tokens)."""
     import onnx
 
     from .gptq import activations

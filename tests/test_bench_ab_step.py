@@ -24,17 +24,20 @@ def test_genai_folder_step_gives_the_logits_of_kilns_backend(tiny_artifacts):
     tokens = np.array([[3], [7]], np.int64)
     mask = np.ones((batch, past + 1), np.int64)
     position = np.full((batch, 1), past, np.int64)
+    longer = np.ones((batch, past + 2), np.int64)
     logits = []
     for backend in (kiln, genai):
         cache = backend.new_cache(batch, past + 8)
         first, cache = backend.run(tokens, mask, position, cache)
         first = np.array(first)  # genai's step returns its bound array, which the next step overwrites
-        second, _ = backend.run(tokens, np.ones((batch, past + 2), np.int64), position + 1, cache)
-        logits.append((first, np.array(second)))
+        second = np.array(backend.run(tokens, longer, position + 1, cache)[0])
+        # The same second step over empty buffers: it differs only if the first step's keys were kept.
+        unkept = np.array(backend.run(tokens, longer, position + 1, backend.new_cache(batch, past + 8))[0])
+        assert not np.allclose(second, unkept)
+        logits.append((first, second))
     for kiln_logits, genai_logits in zip(*logits, strict=True):
         assert kiln_logits.shape == genai_logits.shape
         np.testing.assert_allclose(genai_logits, kiln_logits, atol=1e-4)
-    assert not np.allclose(logits[1][0], logits[1][1])  # the second step read the first one's keys
 
 
 def test_alone_runs_write_each_variants_rounds(tiny_artifacts, tmp_path):
@@ -47,8 +50,9 @@ def test_alone_runs_write_each_variants_rounds(tiny_artifacts, tmp_path):
     assert done.returncode == 0, done.stderr
     cell = json.loads(out.read_text())["cells"][0]
     assert cell["alone"] and set(cell["variants"]) == {"kiln", "genai"}
-    assert all(len(v["ms"]) == 3 and v["median_ms_by_load_position"] is None for v in cell["variants"].values())
-    assert cell["variants"]["kiln"]["paired_ratio_to_first"] == 1.0
+    assert all(len(v["ms"]) == 3 and min(v["ms"]) > 0 and v["median_ms_by_load_position"] is None
+               for v in cell["variants"].values())
+    assert 0 < cell["variants"]["genai"]["paired_ratio_to_first"] < 10  # the same graph, run two ways
     assert "(each alone)" in done.stdout
 
 

@@ -4,6 +4,7 @@ compiled for real on the tiny Llama."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import onnx
 import pytest
@@ -134,22 +135,25 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     assert "| lm\\_head -\\> logits |" in markdown  # Markdown-escaped
 
 
-def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp_path):
-    """Only layer 1's MLP quantized: the residual stream matches fp32 up to it, and it adds the error."""
+def _layerwise(artifact: Path, folder: Path, **quantize_spec) -> list[dict]:
+    """The layerwise table of the tiny Llama's fp32 graph quantized to int4 as `quantize_spec` says."""
     from compiler.export import OnnxArtifact
     from compiler.quantize import quantize
     from compiler.recipe import Variant
     from compiler.sensitivity import residual_errors
 
-    artifact = tiny_artifacts["llama"]
     entry = json.loads((artifact / "manifest.json").read_text())["variants"]["cpu-fp32"]
     source = OnnxArtifact((artifact / entry["model"]).parent, entry["interface"], None, 0)
     calibration = [[5, 17, 42, 7, 99, 3, 61, 62], [11, 12, 13, 200, 8, 9]]
-    variant = Variant(name="v", target="onnxruntime", quantize={
-        "mode": "int4", "exclude": ["model.layers.0.*", "model.layers.1.self_attn.*", "lm_head"]})
-    quantized, _ = quantize(source, variant, calibration, tmp_path / "quantized")
+    variant = Variant(name="v", target="onnxruntime", quantize={"mode": "int4", **quantize_spec})
+    quantized, _ = quantize(source, variant, calibration, folder)
+    return residual_errors(source, quantized, calibration)
 
-    records = residual_errors(source, quantized, calibration)
+
+def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp_path):
+    """Only layer 1's MLP quantized: the residual stream matches fp32 up to it, and it adds the error."""
+    artifact = tiny_artifacts["llama"]
+    records = _layerwise(artifact, tmp_path, exclude=["model.layers.0.*", "model.layers.1.self_attn.*", "lm_head"])
 
     assert [r["block"] for r in records] == ["model.layers.0.self_attn", "model.layers.0.mlp",
                                              "model.layers.1.self_attn", "model.layers.1.mlp", "lm_head"]
@@ -160,23 +164,17 @@ def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp
     assert not list((artifact / "variants" / "cpu-fp32").glob(".activations-*"))  # the graph copies are gone
 
 
-def test_layerwise_logits_row_shows_what_a_quantized_head_adds(tiny_artifacts, tmp_path):
-    """Only the LM head quantized: the stream matches fp32 everywhere, and the logits' error is the head's."""
-    from compiler.export import OnnxArtifact
-    from compiler.quantize import quantize
-    from compiler.recipe import Variant
-    from compiler.sensitivity import residual_errors
+@pytest.mark.parametrize("family_name, tied", [("llama", False), ("gemma", True)])
+def test_layerwise_logits_row_shows_what_a_quantized_head_adds(tiny_artifacts, tmp_path, family_name, tied):
+    """Only the LM head quantized: the stream matches fp32 everywhere, and the logits' error is the head's,
+    for a head of its own and one tied to the embedding table (read through a Transpose)."""
+    from compiler.quantize import lm_head_weight
 
-    artifact = tiny_artifacts["llama"]
+    artifact = tiny_artifacts[family_name]
     entry = json.loads((artifact / "manifest.json").read_text())["variants"]["cpu-fp32"]
-    source = OnnxArtifact((artifact / entry["model"]).parent, entry["interface"], None, 0)
-    calibration = [[5, 17, 42, 7, 99, 3, 61, 62], [11, 12, 13, 200, 8, 9]]
-    variant = Variant(name="v", target="onnxruntime", quantize={
-        "mode": "int4", "exclude": ["model.layers.*"], "exact_top_logits": 0})
-    quantized, _ = quantize(source, variant, calibration, tmp_path / "quantized")
+    assert lm_head_weight(onnx.load(str(artifact / entry["model"]), load_external_data=False))[3] is tied
+    *stream, logits = _layerwise(artifact, tmp_path, exclude=["model.layers.*"], exact_top_logits=0)
 
-    *stream, logits = residual_errors(source, quantized, calibration)
-
-    assert all(r["relative_error"] < 1e-6 for r in stream)
+    assert stream and all(r["relative_error"] < 1e-6 for r in stream)
     assert logits["point"] == "logits" and logits["relative_error"] > 1e-3
     assert abs(logits["added"] - logits["relative_error"]) < 1e-5
