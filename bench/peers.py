@@ -2,6 +2,7 @@
 
     python bench/peers.py [--artifact out/smollm2-135m-instruct] [--work /tmp/kiln-peers] [--rounds 3]
                           [--threads 2] [--output bench/results/peers.json] [--before OLD_QUANTIZED]
+                          [--also LABEL=ARTIFACT:VARIANT ...]
 
 What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
 dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 models from that folder
@@ -28,7 +29,9 @@ and the all-quantized one when `exclude: auto` keeps nothing) are printed with h
 tok/s came out, the run's own measure of what a ratio near 1 means (20% at batch 1 in one run here).
 --before names an older build of the quantized variants (a --work's kiln-quantized folder compiled by
 an earlier Kiln): its cpu-int4 and cpu-int8 run in the same rounds as rows marked "before", so a
-change to the compiler is measured side by side with what it replaced.
+change to the compiler is measured side by side with what it replaced. --also LABEL=ARTIFACT:VARIANT
+(repeatable) runs any other Kiln build in the same rounds, as the row "Kiln VARIANT, LABEL" (e.g. a
+cpu-int8 in blocks of 64 from bench/smollm2-variants.yaml, against genai's int8 like the others).
 Writes JSON and prints a Markdown table.
 """
 
@@ -292,6 +295,19 @@ def prepared(args) -> tuple[Path, Path, dict[str, Path]]:
     return artifact, kiln_quantized(work), {p: genai_model(work, hf, p) for p in ("fp32", "int8", "int4")}
 
 
+def also_builds(texts: list[str]) -> list[tuple[str, Path, str]]:
+    """--also's LABEL=ARTIFACT:VARIANT arguments as (label, artifact folder, variant)."""
+    builds = []
+    for text in texts:
+        label, equals, spec = text.partition("=")
+        folder, colon, variant = spec.rpartition(":")
+        if not (equals and colon and label and variant) or not (Path(folder) / "manifest.json").is_file():
+            raise SystemExit(f"error: --also {text!r} is not LABEL=ARTIFACT:VARIANT with an artifact folder, "
+                             "e.g. --also 'blocks of 64=/tmp/b64:cpu-int8'")
+        builds.append((label, Path(folder), variant))
+    return builds
+
+
 def load_backends(args, round_number: int | None = None) -> list:
     """Eager, then every Kiln and genai backend, in that order. For a timed round they are created in
     that order rotated by a share of the list per round, so no backend is created first in more than one
@@ -308,6 +324,9 @@ def load_backends(args, round_number: int | None = None) -> list:
         before = Path(args.before)
         makers += [lambda: Kiln(before, "cpu-int8", threads, label="Kiln cpu-int8, all quantized, before"),
                    lambda: Kiln(before, "cpu-int4", threads, label="Kiln cpu-int4, before")]
+    for label, folder, variant in also_builds(args.also):
+        makers.append(lambda label=label, folder=folder, variant=variant:
+                      Kiln(folder, variant, threads, label=f"Kiln {variant}, {label}"))
     makers += [lambda p=p: Genai(genai[p], p, threads) for p in ("fp32", "int8", "int4")]
     shift = 0 if round_number is None else round_number * len(makers) // args.rounds
     order = [(i + shift) % len(makers) for i in range(len(makers))]
@@ -365,12 +384,17 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--output", default=str(ROOT / "bench" / "results" / "peers.json"))
     parser.add_argument("--before", help="an older build of --work's kiln-quantized, run beside the new one")
+    parser.add_argument("--also", action="append", default=[], metavar="LABEL=ARTIFACT:VARIANT",
+                        help="another Kiln build to run in the same rounds (repeatable)")
     parser.add_argument("--round", type=int, help=argparse.SUPPRESS)  # a worker: one timed round, JSON out
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
     if args.round is not None:
         print(json.dumps(timed_round(args, args.round)))
         return
+    for _, folder, variant in also_builds(args.also):  # a wrong name fails here, not in the first round
+        if variant not in json.loads((folder / "manifest.json").read_text())["variants"]:
+            raise SystemExit(f"error: --also: {folder} has no variant {variant!r}")
     artifact = prepared(args)[0]  # builds what is missing, before any round times anything
     cells: dict[str, dict[int, list]] = {}
     for number in range(args.rounds):  # each round in a fresh process, its sessions in its own order
