@@ -98,6 +98,10 @@ class GenaiGraph:
         self.session = None
 
 
+def is_genai_folder(spec: str) -> bool:
+    return (Path(spec) / "genai_config.json").is_file()
+
+
 def load(spec: str, threads: int, verify: bool = False):
     """The backend for ARTIFACT:VARIANT, or a GenaiGraph for a genai model folder (an artifact's files
     checked once, by the parent process)."""
@@ -105,7 +109,7 @@ def load(spec: str, threads: int, verify: bool = False):
     from runtime.backend import open_backend
     from runtime.errors import KilnError
 
-    if (Path(spec) / "genai_config.json").is_file():
+    if is_genai_folder(spec):
         return GenaiGraph(Path(spec), threads)
     folder, _, variant = spec.rpartition(":")
     try:
@@ -201,7 +205,7 @@ def main() -> None:
     variants = []
     for text in args.variants:
         name, equals, spec = text.partition("=")
-        if not equals or (":" not in spec and not (Path(spec) / "genai_config.json").is_file()):
+        if not equals or (":" not in spec and not is_genai_folder(spec)):
             raise SystemExit(f"error: {text!r} is not NAME=ARTIFACT:VARIANT or NAME=GENAI_FOLDER (a folder with "
                              "genai_config.json), e.g. new=out/a:cpu-int4")
         variants.append((name, spec))

@@ -39,7 +39,7 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -343,19 +343,23 @@ def _logits_writer(graph: Any) -> Any:
 
 
 def lm_head(proto: Any) -> str | None:
-    """The weight MatMul that writes the `logits` output (the LM head), or None if another op does."""
-    node = _logits_writer(proto.graph)
-    weights = {i.name for i in proto.graph.initializer}
-    if node is None or node.op_type != "MatMul" or node.input[1] not in weights:
-        return None
-    return node.name
+    """The weight MatMul that writes the `logits` output (the LM head), or None if another op does or
+    it reads its weight through a Transpose (a tied head before untie_transposed_weights)."""
+    head = lm_head_weight(proto)
+    return head.node if head is not None and not head.transposed else None
 
 
-def lm_head_weight(proto: Any) -> tuple[str, str, str, bool] | None:
-    """The LM head of an fp32 graph as (module path, activation, weight initializer, transposed): the
-    MatMul that writes `logits`, its weight an initializer or, for a head tied to the embedding table,
-    a Transpose of one (transposed True: the initializer is [vocab, hidden]). None if another op writes
-    the logits."""
+class LmHead(NamedTuple):
+    node: str
+    path: str  # its module path, as weight_matmuls gives them
+    activation: str
+    weight: str  # the initializer: [hidden, vocab], or [vocab, hidden] where transposed
+    transposed: bool
+
+
+def lm_head_weight(proto: Any) -> LmHead | None:
+    """The LM head of a graph: the MatMul that writes `logits`, its weight an initializer or, for a head
+    tied to the embedding table, a Transpose of one. None if another op writes the logits."""
     node = _logits_writer(proto.graph)
     if node is None or node.op_type != "MatMul":
         return None
@@ -368,7 +372,7 @@ def lm_head_weight(proto: Any) -> tuple[str, str, str, bool] | None:
     else:
         return None
     scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
-    return (_module_path(scopes) if scopes else "lm_head"), node.input[0], weight, transposed
+    return LmHead(node.name, _module_path(scopes) if scopes else "lm_head", node.input[0], weight, transposed)
 
 
 @dataclass(frozen=True)

@@ -228,6 +228,7 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
     the head's quantization adds to the error the stream carries into it. With `logits: last` it covers
     each row's last token only (LAYERWISE_ROWS tokens)."""
     import onnx
+    from onnx import numpy_helper
 
     from .gptq import activations
     from .quantize import lm_head_weight
@@ -235,6 +236,7 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
     proto = onnx.load(str(source.model_path), load_external_data=False)
     points = residual_stream(proto)
     head = lm_head_weight(proto)
+    head_weight = next(i for i in proto.graph.initializer if i.name == head.weight) if head else None
     del proto
     graph = onnx.load(str(quantized.model_path), load_external_data=False)
     written = {out for node in graph.graph.node for out in node.output}
@@ -244,11 +246,10 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
         return []
     names = {tensor for _, summed in points for tensor in summed}
     weight = None
-    if head is not None and head[1] in written:
-        head_group, head_input, weight_name, transposed = head
-        names |= {head_input, "logits"}
-        weight = _initializer(source.model_path, weight_name)
-        weight = weight.T if transposed else weight  # [hidden, vocab]
+    if head is not None and head.activation in written:
+        names |= {head.activation, "logits"}
+        weight = numpy_helper.to_array(head_weight, str(Path(source.model_path).parent))  # its external data
+        weight = weight.T if head.transposed else weight  # [hidden, vocab]
     rows = calibration_rows(calibration)[:LAYERWISE_ROWS]
     reference = list(activations(Path(source.model_path), names, source.interface, rows, Path()))
     errors: dict[tuple[str, ...], list[np.ndarray]] = {summed: [] for _, summed in points}
@@ -262,7 +263,7 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
         if weight is not None:
             r = expected["logits"]  # [1, tokens, vocab]: every token, or the last
             logits_errors.append(_relative(got["logits"], r))
-            through_errors.append(_relative(got[head_input] @ weight, r))
+            through_errors.append(_relative(got[head.activation] @ weight, r))
     records, before = [], 0.0
     for block, summed in points:
         error = float(np.concatenate(errors[summed]).mean())
@@ -270,7 +271,7 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
         before = error
     if logits_errors:
         error = float(np.concatenate(logits_errors).mean())
-        records.append({"block": head_group, "point": "logits", "relative_error": error,
+        records.append({"block": head.path, "point": "logits", "relative_error": error,
                         "added": error - float(np.concatenate(through_errors).mean())})
     return records
 
@@ -279,15 +280,3 @@ def _relative(q: np.ndarray, r: np.ndarray) -> np.ndarray:
     """|q - r| / |r| for each token of [1, tokens, width] arrays."""
     return np.linalg.norm(q - r, axis=-1).ravel() / np.maximum(np.linalg.norm(r, axis=-1).ravel(), 1e-12)
 
-
-def _initializer(model_path: Path | str, name: str) -> np.ndarray:
-    """One initializer of a graph file, its external data read from beside it."""
-    import onnx
-    from onnx import numpy_helper
-
-    proto = onnx.load(str(model_path), load_external_data=False)
-    tensor = next(i for i in proto.graph.initializer if i.name == name)
-    del proto
-    if tensor.data_location == onnx.TensorProto.EXTERNAL:
-        onnx.external_data_helper.load_external_data_for_tensor(tensor, str(Path(model_path).parent))
-    return numpy_helper.to_array(tensor)
