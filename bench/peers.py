@@ -24,6 +24,10 @@ top-1 agreement and perplexity; and greedy tokens at batch 1 equal to eager's (p
 and batch 8's equal to the same backend's batch 1 (batch invariance, of 16).
 Floors, from this machine's own measurements: batch 1 fp32 = read bandwidth / fp32 weight bytes;
 batch 32 fp32 = the job's FLOPs (prompt + new tokens, 2 per weight each) at the fp32 GEMM rate.
+Both rates are measured in every round, before and after its backends (each the best of 5), and
+the floors use their median: on these VMs one reading of the bandwidth has ranged from 31 to 51 GB/s
+between runs, so a single one, taken when the rows were not running, says little about theirs. The
+readings' range is printed beside the floors.
 Noise: Kiln rows whose graphs are the same bytes (the manifests' sha256; the main recipe's cpu-int8
 and the all-quantized one when `exclude: auto` keeps nothing) are printed with how far apart their
 tok/s came out, the run's own measure of what a ratio near 1 means (20% at batch 1 in one run here).
@@ -339,7 +343,9 @@ def load_backends(args, round_number: int | None = None) -> list:
 
 
 def timed_round(args, number: int) -> dict:
-    """One round, in this process: every backend's cells."""
+    """One round, in this process: every backend's cells, and the machine's rates read before and
+    after them."""
+    rates = [machine_rates(args.threads)]
     backends = load_backends(args, number)
     prompts = chat_prompts(backends[1].generator, PROMPTS)
     for backend in backends:
@@ -349,7 +355,12 @@ def timed_round(args, number: int) -> dict:
         cells[backend.name] = {batch: timed_cell(backend, prompts[:ALONE_PROMPTS] if batch == 1 else prompts, batch,
                                                  args.new_tokens) for batch in BATCHES}
         print(f"round {number + 1}: {backend.name} done", file=sys.stderr)
-    return cells
+    rates.append(machine_rates(args.threads))
+    return {"cells": cells, "rates": rates}
+
+
+def machine_rates(threads: int) -> dict:
+    return {"read_bandwidth_gbs": read_bandwidth_gbs(threads), "fp32_gemm_gflops": gemm_gflops(threads)}
 
 
 def cpu_model() -> dict:
@@ -397,12 +408,15 @@ def main() -> None:
             raise SystemExit(f"error: --also: {folder} has no variant {variant!r}")
     artifact = prepared(args)[0]  # builds what is missing, before any round times anything
     cells: dict[str, dict[int, list]] = {}
+    rates: list[dict] = []
     for number in range(args.rounds):  # each round in a fresh process, its sessions in its own order
         done = subprocess.run([sys.executable, __file__, *sys.argv[1:], "--round", str(number)],
                               stdout=subprocess.PIPE, text=True)
         if done.returncode:
             raise SystemExit(f"error: round {number + 1} failed (exit code {done.returncode}); its error is above")
-        for name, by_batch in json.loads(done.stdout.strip().splitlines()[-1]).items():
+        measured = json.loads(done.stdout.strip().splitlines()[-1])
+        rates += measured["rates"]
+        for name, by_batch in measured["cells"].items():
             for batch, cell in by_batch.items():
                 cells.setdefault(name, {b: [] for b in BATCHES})[int(batch)].append(cell)
 
@@ -412,12 +426,14 @@ def main() -> None:
     rows = text_rows(backends[1].generator)
     reference = eager.teacher_forced(rows)
     eager_tokens = cells[eager.name][1][0]["tokens"]
-    bandwidth, gflops = read_bandwidth_gbs(args.threads), gemm_gflops(args.threads)
+    readings = {key: [r[key] for r in rates] for key in ("read_bandwidth_gbs", "fp32_gemm_gflops")}
+    bandwidth, gflops = (statistics.median(readings[key]) for key in ("read_bandwidth_gbs", "fp32_gemm_gflops"))
     weights = fp32_weight_bytes(artifact)
     params = weights / 4
     prompt_tokens = sum(len(p) for p in prompts)
     decode_tokens = PROMPTS * args.new_tokens
-    floors = {"read_bandwidth_gbs": bandwidth, "fp32_gemm_gflops": gflops, "fp32_weight_bytes": weights,
+    floors = {"read_bandwidth_gbs": bandwidth, "fp32_gemm_gflops": gflops, "readings": readings,
+              "fp32_weight_bytes": weights,
               "b1_fp32_tokens_per_s": bandwidth * 1e9 / weights,
               "b32_fp32_tokens_per_s": decode_tokens / ((prompt_tokens + decode_tokens) * 2 * params / (gflops * 1e9))}
     rows_out = []
@@ -451,8 +467,11 @@ def main() -> None:
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
 
     print(f"cpu: {report['cpu']['model']} ({report['cpu']['cores']} cores; {' '.join(report['cpu']['flags'])})")
+    spread = {key: f"{min(values):.0f}-{max(values):.0f}" for key, values in readings.items()}
     print(f"floors: fp32 b1 {floors['b1_fp32_tokens_per_s']:.1f} tok/s ({bandwidth:.1f} GB/s over "
-          f"{weights / 1e6:.0f} MB); fp32 b32 {floors['b32_fp32_tokens_per_s']:.0f} tok/s ({gflops:.0f} GFLOP/s)")
+          f"{weights / 1e6:.0f} MB); fp32 b32 {floors['b32_fp32_tokens_per_s']:.0f} tok/s ({gflops:.0f} GFLOP/s); "
+          f"medians of {len(rates)} readings, {spread['read_bandwidth_gbs']} GB/s and "
+          f"{spread['fp32_gemm_gflops']} GFLOP/s")
     print("| backend | b1 tok/s | b8 | b32 | x genai (b1/b8/b32) | TTFT b1 / b32 ms | top-1 vs eager | ppl change "
           f"| greedy = eager (of {ALONE_PROMPTS}) | batch 8 = batch 1 |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

@@ -323,13 +323,18 @@ def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant):
     assert [[t.logprob for t in r.logprobs] for r in together] == [[t.logprob for t in r.logprobs] for r in alone]
 
 
-def _lm_head_graph(tied: bool, vocab: int = 300, hidden: int = 64):
+def _lm_head_graph(tied: bool, vocab: int = 300, hidden: int = 64, on_int8_grid: bool = False):
     """input_ids -> embedding Gather; hidden -> LM head MatMul -> logits, the head tied to the table
-    (stored transposed, as untie_transposed_weights leaves it) or a weight of its own."""
+    (stored transposed, as untie_transposed_weights leaves it) or a weight of its own; with
+    `on_int8_grid`, the table on a GGUF Q8_0 grid (blocks of 32 along hidden)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)
     table = rng.normal(0, 1, (vocab, hidden)).astype(np.float32)
+    if on_int8_grid:
+        blocks = table.reshape(vocab, -1, 32)
+        steps = np.abs(blocks).max(-1, keepdims=True) / 127
+        table = (np.rint(blocks / steps) * steps).reshape(vocab, hidden).astype(np.float32)
     head = table.T.copy() if tied else rng.normal(0, 1, (hidden, vocab)).astype(np.float32)
     graph = helper.make_graph(
         [helper.make_node("Gather", ["table", "input_ids"], ["embedded"], name="embed", axis=0),
@@ -385,3 +390,39 @@ def test_quantized_lm_head_gets_its_top_logits_exactly(tied):
     one = ort.InferenceSession(quantized.SerializeToString()).run(
         ["logits"], {"input_ids": feed["input_ids"][1:2], "hidden": hidden[1:2]})[0]
     assert np.array_equal(one[0], rescored[1])
+
+
+@pytest.mark.parametrize("mode, top, bits", [("int4", 32, 4), ("int4", 0, 8), ("int8-dynamic", 32, 8)])
+def test_an_lm_head_leaves_its_int8_grid_only_for_int4_with_its_top_logits_rescored(tmp_path, mode, top, bits):
+    """A head on a Q8_0 grid keeps it at 8 bits, but in the int4 mode with its top logits rescored
+    in fp32 it goes to 4 bits like the rest: the top logits (so greedy tokens) are the fp32 head's
+    all the same."""
+    from types import SimpleNamespace
+
+    import onnxruntime as ort
+
+    from compiler.quantize import QUANTIZERS, _on_int8_grid
+    from compiler.recipe import Variant
+
+    model, head = _lm_head_graph(tied=True, on_int8_grid=True)
+    assert _on_int8_grid(model, 32, excluded=[]) == ["lm_head"]
+    variant = Variant(name="v", target="onnxruntime", quantize={"mode": mode, "exact_top_logits": top})
+    _, kept_grid, notes = QUANTIZERS[("fp32", mode)](model, SimpleNamespace(interface={}), variant, [], [],
+                                                      tmp_path)
+    assert kept_grid == ([] if bits == 4 else ["lm_head"])
+    assert notes["exact_top_logits"].endswith("re-rounded from its int8 source grid") == (bits == 4)
+    saved = onnx.load(str(tmp_path / "model.onnx"))
+    (nbits,) = [n for n in saved.graph.node if n.op_type == "MatMulNBits"]
+    assert next(a.i for a in nbits.attribute if a.name == "bits") == bits
+
+    hidden = np.random.default_rng(1).normal(0, 1, (2, 6, 64)).astype(np.float32)
+    logits = ort.InferenceSession(str(tmp_path / "model.onnx")).run(
+        ["logits"], {"input_ids": np.zeros((2, 6), np.int64), "hidden": hidden})[0]
+    exact = hidden @ head
+    if top:
+        assert (logits.argmax(-1) == exact.argmax(-1)).all()
+        best = np.argsort(-exact, -1)[..., :8]
+        np.testing.assert_allclose(np.take_along_axis(logits, best, -1), np.take_along_axis(exact, best, -1),
+                                   rtol=1e-5, atol=1e-5)
+    off = np.abs(logits - exact).max()  # of logits up to 29: the 8-bit head's int8 activations 0.16, 4 bits' 3.0
+    assert off > 1.0 if bits == 4 else off < 0.5
