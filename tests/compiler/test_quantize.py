@@ -69,13 +69,38 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
         q = [n for n in graph.graph.node if n.op_type == "QuantizeLinear"]
         assert q and any(n.op_type == "DequantizeLinear" for n in graph.graph.node)
         zero_points = {i.name: onnx.numpy_helper.to_array(i) for i in graph.graph.initializer}
-        assert all(not zero_points[n.input[2]].any() for n in q if len(n.input) > 2)  # symmetric, for TensorRT
+        activation_zeros = {zero_points[n.input[2]].dtype.name: set(zero_points[n.input[2]].ravel().tolist())
+                            for n in q}
+        # Symmetric either way: int8 about 0 for TensorRT, uint8 about 128 for ONNX Runtime's x86 fusions
+        assert activation_zeros == ({"uint8": {128}} if variant == "cpu-int8-static" else {"int8": {0}})
 
-    entry, graph = _graph(quantized, "cpu-fp16")
-    assert entry["interface"]["inputs"][3]["dtype"] == "float16"
-    assert entry["interface"]["outputs"][0]["dtype"] == "float32"  # logits keep their type
-    types = {i.data_type for i in graph.graph.initializer if len(i.dims) == 2}
-    assert onnx.TensorProto.FLOAT16 in types
+
+def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path):
+    """ONNX Runtime's own optimizer turns every weight MatMul of the onnxruntime int8-static graph
+    into a QLinearMatMul; the same graph with int8 zero points (as TensorRT takes it) keeps the q/k/v
+    and gate/up ones in fp32, over weights dequantized on every call."""
+    import onnxruntime as ort
+
+    def optimized_ops(path):
+        options = ort.SessionOptions()
+        options.optimized_model_filepath = str(tmp_path / "optimized.onnx")
+        ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+        return [n.op_type for n in onnx.load(str(tmp_path / "optimized.onnx"), load_external_data=False).graph.node]
+
+    entry, graph = _graph(quantized, "cpu-int8-static")
+    matmuls = [n.op_type for n in graph.graph.node].count("MatMul")  # each a weight MatMul: attention is fused
+    ops = optimized_ops(quantized / entry["model"])
+    assert matmuls > 0 and "MatMul" not in ops and ops.count("QLinearMatMul") == matmuls
+
+    inits = {i.name: i for i in graph.graph.initializer}
+    for node in graph.graph.node:
+        if node.op_type == "QuantizeLinear":
+            zero = inits[node.input[2]]
+            zero.CopyFrom(onnx.numpy_helper.from_array(
+                (onnx.numpy_helper.to_array(zero).astype(np.int16) - 128).astype(np.int8), zero.name))
+    onnx.save(graph, str(tmp_path / "int8.onnx"))
+    ops = optimized_ops(tmp_path / "int8.onnx")
+    assert ops.count("MatMul") >= matmuls // 2 and ops.count("QLinearMatMul") < matmuls
 
 
 def test_tensorrt_variants_keep_standard_graphs_and_are_skipped(quantized):
