@@ -120,9 +120,9 @@ class QuantizeSpec(_Strict):
     # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens see the fp32 head's
     # order among them (the rest stay quantized); 0 turns it off.
     exact_top_logits: int = Field(32, ge=0, le=256)
-    # int8-dynamic: SmoothQuant's migration strength (0..1): each activation channel's range moved that
-    # far into the weights before quantizing, folded into the RMSNorm scales and up_proj's columns
-    # (compiler/smoothing.py). Unset: no smoothing.
+    # int8-dynamic, int8-static: SmoothQuant's migration strength (0..1): each activation channel's
+    # range moved that far into the weights before quantizing, folded into the RMSNorm scales and
+    # up_proj's and v_proj's columns (compiler/smoothing.py). Unset: no smoothing.
     smoothing: float | None = Field(None, ge=0, le=1)
 
     @field_validator("exclude", mode="before")
@@ -140,11 +140,10 @@ class QuantizeSpec(_Strict):
         if self.mode == "int8-static" and self.exact_top_logits and "exact_top_logits" in self.model_fields_set:
             raise ValueError("exact_top_logits rescores a MatMulNBits LM head (int8-dynamic, int4); int8-static's "
                              "QDQ head has none: drop exact_top_logits or change the mode")
-        if self.smoothing is not None and self.mode != "int8-dynamic":
-            raise ValueError(f"smoothing applies to mode int8-dynamic; {self.mode} "
-                             + ("keeps weights on their source grid, which smoothing would move them off"
-                                if self.mode == "int4" else "calibrates its own activation ranges")
-                             + ": drop smoothing or change the mode")
+        if self.smoothing is not None and self.mode == "int4":
+            raise ValueError("smoothing applies to modes int8-dynamic and int8-static; int4 keeps weights on "
+                             "their source grid, which smoothing would move them off: drop smoothing or change "
+                             "the mode")
         return self
 
 

@@ -22,7 +22,7 @@ VARIANTS = """\
   - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head], smoothing: 0.5}}
   - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 16}}
   - {name: cpu-int4-gptq, target: onnxruntime, quantize: {mode: int4, rounding: gptq}}
-  - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax}}
+  - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax, smoothing: 0.5}}
   - {name: cpu-fp16, target: onnxruntime, precision: fp16}
   - {name: trt-int8, target: tensorrt, quantize: {mode: int8-static}}
   - {name: trt-fp16, target: tensorrt, precision: fp16}
@@ -77,8 +77,9 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
 
 def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path):
     """ONNX Runtime's own optimizer turns every weight MatMul of the onnxruntime int8-static graph
-    into a QLinearMatMul; the same graph with int8 zero points (as TensorRT takes it) keeps the q/k/v
-    and gate/up ones in fp32, over weights dequantized on every call."""
+    (smoothed first, outputs left fp32) into a MatMulIntegerToFloat; the same graph with int8 zero
+    points (as TensorRT takes them) keeps the q/k/v and gate/up ones in fp32, over weights
+    dequantized on every call."""
     import onnxruntime as ort
 
     def optimized_ops(path):
@@ -90,7 +91,9 @@ def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path
     entry, graph = _graph(quantized, "cpu-int8-static")
     matmuls = [n.op_type for n in graph.graph.node].count("MatMul")  # each a weight MatMul: attention is fused
     ops = optimized_ops(quantized / entry["model"])
-    assert matmuls > 0 and "MatMul" not in ops and ops.count("QLinearMatMul") == matmuls
+    assert matmuls > 0 and "MatMul" not in ops and ops.count("MatMulIntegerToFloat") == matmuls
+    report = json.loads((quantized / entry["report"]).read_text())["quantize"]
+    assert report["smoothing"]["folded_into"]["norm scales"] == 4  # each layer's two norms
 
     inits = {i.name: i for i in graph.graph.initializer}
     for node in graph.graph.node:
@@ -100,7 +103,7 @@ def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path
                 (onnx.numpy_helper.to_array(zero).astype(np.int16) - 128).astype(np.int8), zero.name))
     onnx.save(graph, str(tmp_path / "int8.onnx"))
     ops = optimized_ops(tmp_path / "int8.onnx")
-    assert ops.count("MatMul") >= matmuls // 2 and ops.count("QLinearMatMul") < matmuls
+    assert ops.count("MatMul") >= matmuls // 2 and ops.count("MatMulIntegerToFloat") < matmuls
 
 
 def test_tensorrt_variants_keep_standard_graphs_and_are_skipped(quantized):

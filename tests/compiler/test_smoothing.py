@@ -63,13 +63,14 @@ def test_smoothing_keeps_every_familys_logits(tiny_artifacts, family, tmp_path):
         assert report["folded_into"]["norm scales"] == 4 and report["folded_into"]["v_proj columns"] == 2
 
 
-def test_smoothing_is_for_int8_dynamic_only():
+def test_smoothing_is_for_the_int8_modes_only():
     from pydantic import ValidationError
 
     from compiler.recipe import QuantizeSpec
 
     assert QuantizeSpec(mode="int8-dynamic", smoothing=0.5).smoothing == 0.5
-    with pytest.raises(ValidationError, match="smoothing applies to mode int8-dynamic; int4 keeps weights"):
+    assert QuantizeSpec(mode="int8-static", smoothing=0.8).smoothing == 0.8
+    with pytest.raises(ValidationError, match="smoothing applies to modes int8-dynamic and int8-static; int4 keeps"):
         QuantizeSpec(mode="int4", smoothing=0.5)
     with pytest.raises(ValidationError, match="less than or equal to 1"):
         QuantizeSpec(mode="int8-dynamic", smoothing=1.5)
