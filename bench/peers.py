@@ -426,7 +426,7 @@ def main() -> None:
     rows = text_rows(backends[1].generator)
     reference = eager.teacher_forced(rows)
     eager_tokens = cells[eager.name][1][0]["tokens"]
-    readings = {key: [r[key] for r in rates] for key in ("read_bandwidth_gbs", "fp32_gemm_gflops")}
+    readings = {key: [r[key] for r in rates] for key in rates[0]}
     bandwidth, gflops = (statistics.median(readings[key]) for key in ("read_bandwidth_gbs", "fp32_gemm_gflops"))
     weights = fp32_weight_bytes(artifact)
     params = weights / 4
