@@ -23,6 +23,7 @@ VARIANTS = """\
   - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 16}}
   - {name: cpu-int4-gptq, target: onnxruntime, quantize: {mode: int4, rounding: gptq}}
   - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax, smoothing: 0.5}}
+  - {name: cpu-int8-entropy, target: onnxruntime, quantize: {mode: int8-static, method: entropy, smoothing: 0.5}}
   - {name: cpu-fp16, target: onnxruntime, precision: fp16}
   - {name: trt-int8, target: tensorrt, quantize: {mode: int8-static}}
   - {name: trt-fp16, target: tensorrt, precision: fp16}
@@ -104,6 +105,22 @@ def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path
     onnx.save(graph, str(tmp_path / "int8.onnx"))
     ops = optimized_ops(tmp_path / "int8.onnx")
     assert ops.count("MatMul") >= matmuls // 2 and ops.count("MatMulIntegerToFloat") < matmuls
+
+
+def test_entropy_calibration_clips_where_minmax_takes_the_whole_range(quantized):
+    """The same graph calibrated on the same prompts: entropy's activation scales are minmax's or
+    narrower (its threshold cuts a tail), and some are narrower (quantize_static's own entropy
+    calibrator, 128 bins for 128 levels, gave minmax's scales exactly)."""
+    def activation_scales(variant):
+        _, graph = _graph(quantized, variant)
+        inits = {i.name: onnx.numpy_helper.to_array(i) for i in graph.graph.initializer}
+        return {n.input[0]: float(inits[n.input[1]]) for n in graph.graph.node
+                if n.op_type == "QuantizeLinear" and inits[n.input[1]].size == 1}
+
+    minmax, entropy = activation_scales("cpu-int8-static"), activation_scales("cpu-int8-entropy")
+    assert minmax.keys() == entropy.keys() and minmax
+    assert all(entropy[t] <= minmax[t] * (1 + 1e-6) for t in minmax)
+    assert sum(entropy[t] < minmax[t] * 0.99 for t in minmax) >= len(minmax) // 2
 
 
 def test_tensorrt_variants_keep_standard_graphs_and_are_skipped(quantized):
