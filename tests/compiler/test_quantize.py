@@ -75,6 +75,12 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
         # Symmetric either way: int8 about 0 for TensorRT, uint8 about 128 for ONNX Runtime's x86 fusions
         assert activation_zeros == ({"uint8": {128}} if variant == "cpu-int8-static" else {"int8": {0}})
 
+    entry, graph = _graph(quantized, "cpu-fp16")
+    assert entry["interface"]["inputs"][3]["dtype"] == "float16"
+    assert entry["interface"]["outputs"][0]["dtype"] == "float32"  # logits keep their type
+    types = {i.data_type for i in graph.graph.initializer if len(i.dims) == 2}
+    assert onnx.TensorProto.FLOAT16 in types
+
 
 def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path):
     """ONNX Runtime's own optimizer turns every weight MatMul of the onnxruntime int8-static graph
