@@ -184,7 +184,9 @@ def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration:
         if method != CalibrationMethod.MinMax:
             _histogram_ranges(prepared, source, calibration, method, ranges)
         quantize_static(
-            str(prepared), str(folder / MODEL_FILE), _CalibrationFeed(source, calibration),
+            # The prompts run once: for the histogram methods they ran above, into `ranges`.
+            str(prepared), str(folder / MODEL_FILE),
+            None if ranges.is_file() else _CalibrationFeed(source, calibration),
             quant_format=QuantFormat.QDQ, nodes_to_quantize=targets, per_channel=True,
             activation_type=QuantType.QInt8, weight_type=QuantType.QInt8, calibrate_method=method,
             use_external_data_format=True,
