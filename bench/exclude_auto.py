@@ -85,10 +85,10 @@ def main() -> None:
     chosen = json.loads((artifact / found["report"]).read_text())["exclude_auto"]
     built = json.loads((prefix_artifact / "manifest.json").read_text())["variants"][args.variant]
     rows = [{"label": "shortest passing prefix", "groups": prefix["groups"],
-             "weights_in_fp32": prefix["weights_in_fp32"], "accuracy": built["accuracy"],
+             "weights_kept": prefix["weights_kept"], "accuracy": built["accuracy"],
              "backend": Kiln(prefix_artifact, args.variant, args.threads, "prefix")},
-            {"label": "exclude: auto (prefix, less what passes without)", "groups": chosen["groups_in_fp32"],
-             "weights_in_fp32": chosen["weights_in_fp32"], "accuracy": found["accuracy"],
+            {"label": "exclude: auto (prefix, less what passes without)", "groups": chosen["groups_kept"],
+             "weights_kept": chosen["weights_kept"], "accuracy": found["accuracy"],
              "backend": Kiln(artifact, args.variant, args.threads, "auto")}]
     prompts = chat_prompts(rows[0]["backend"].generator, PROMPTS)
     for row in rows:
@@ -115,7 +115,7 @@ def main() -> None:
     print("| kept in fp32 | groups | MatMul weights in fp32 | b1 tok/s | b8 | b32 | top-1 | ppl change |")
     print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
     for r in results:
-        print(f"| {r['label']} | {len(r['groups'])} | {r['weights_in_fp32']:.1%} | {r['b1_tokens_per_s']:.1f} | "
+        print(f"| {r['label']} | {len(r['groups'])} | {r['weights_kept']:.1%} | {r['b1_tokens_per_s']:.1f} | "
               f"{r['b8_tokens_per_s']:.1f} | {r['b32_tokens_per_s']:.1f} | {r['top1_agreement']:.3f} | "
               f"{r['perplexity_change']:+.2%} |")
     print("ratio " + " / ".join(f"{results[1][f'b{b}_tokens_per_s_ratio']:.2f}" for b in BATCHES) + " (b1/b8/b32)")

@@ -503,10 +503,13 @@ def _drop_superseded(old: OnnxArtifact, new: OnnxArtifact) -> None:
 
 def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, reference: Run,
                   gates: dict[str, float], work: Path, log: StageLog) -> tuple[Variant, dict[str, Any]]:
-    """`quantize.exclude: auto` -> the variant with the module groups in fp32 that lightest_kept finds meet
-    its gates (compiler/sensitivity.py), and the sensitivity table and attempts behind that choice. The
-    table is only measured when everything quantized misses a gate."""
+    """`quantize.exclude: auto` -> the variant with the module groups kept (in fp32, or in finer blocks with
+    exclude_block_size) that lightest_kept finds meet its gates (compiler/sensitivity.py), and the
+    sensitivity table and attempts behind that choice. The table is only measured when everything
+    quantized misses a gate."""
     calibration = data.calibration[variant.name]
+    finer = variant.quantize.exclude_block_size
+    kept_as = f"in blocks of {finer}" if finer else "in fp32"
     groups = weight_groups(graph)
     attempts: list[dict[str, Any]] = []
     total = sum(sum(members.values()) for members in groups.values()) or 1
@@ -523,20 +526,21 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
         release_freed_memory()  # the attempt's graphs and session, before the next one builds its own
         failures = failed_gates(metrics, gates)
         share = weight_elements(kept) / total
-        attempts.append({"groups_in_fp32": len(kept), "groups": [r["group"] for r in kept],
-                         "weights_in_fp32": share, "top1_agreement": metrics["top1_agreement"],
+        attempts.append({"groups_kept": len(kept), "groups": [r["group"] for r in kept],
+                         "weights_kept": share, "top1_agreement": metrics["top1_agreement"],
                          "perplexity_change": metrics["perplexity_change"], "failed_gates": failures})
         verdict = f"missed {', '.join(failures)}" if failures else "passed"
-        log.note(f"  {len(kept)} of {len(groups)} groups in fp32 ({share:.1%} of the MatMul weights): top-1 "
+        log.note(f"  {len(kept)} of {len(groups)} groups {kept_as} ({share:.1%} of the MatMul weights): top-1 "
                  f"{metrics['top1_agreement']:.3f}, perplexity {metrics['perplexity_change']:+.2%}; {verdict}")
         return not failures
 
     # Everything quantized first: one build and measurement, where the ranking below costs one per group.
     with log.step("all quantized"):
         if attempt([]):
-            log.note("exclude: auto: every group quantized meets the gates; none kept in fp32, no ranking measured")
-            return with_exclude(variant, []), {"sensitivity": [], "attempts": attempts, "groups_in_fp32": [],
-                                               "weights_in_fp32": 0.0, "met_gates": True}
+            log.note(f"exclude: auto: every group quantized meets the gates; none kept {kept_as}, no ranking "
+                     "measured")
+            return with_exclude(variant, []), {"sensitivity": [], "attempts": attempts, "kept_as": kept_as,
+                                               "groups_kept": [], "weights_kept": 0.0, "met_gates": True}
     with log.step("sensitivity"), log.bar("module groups quantized alone", total=len(groups)) as advance:
         ranking = layer_sensitivity(graph, variant, groups, calibration, data.inputs.pad_id, work / "alone",
                                     on_group=advance)
@@ -546,12 +550,13 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
     with log.step("search"):  # none kept was the first attempt, and failed
         kept = lightest_kept(ranking, lambda groups: bool(groups) and attempt(groups))
     if kept is None:
-        log.note(f"exclude: auto: the gates are missed even with all {len(ranking)} groups in fp32; building "
+        log.note(f"exclude: auto: the gates are missed even with all {len(ranking)} groups {kept_as}; building "
                  "with none kept, so the gates report what quantizing costs")
     met_gates, kept = kept is not None, kept or []
     return (with_exclude(variant, [m for r in kept for m in r["modules"]]),
-            {"sensitivity": ranking, "attempts": attempts, "groups_in_fp32": [r["group"] for r in kept],
-             "weights_in_fp32": weight_elements(kept) / total, "met_gates": met_gates})
+            {"sensitivity": ranking, "attempts": attempts, "kept_as": kept_as,
+             "groups_kept": [r["group"] for r in kept], "weights_kept": weight_elements(kept) / total,
+             "met_gates": met_gates})
 
 
 def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path, log: StageLog,

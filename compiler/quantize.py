@@ -34,7 +34,9 @@ here has to guess what is good enough.
 
 `exclude` in the recipe keeps matching layers in fp32: globs over module paths such as
 `lm_head` or `model.layers.*.mlp.down_proj`, read from the exporter's name scopes; `exclude: auto`
-is resolved to paths before this stage, by a sensitivity search (compiler/sensitivity.py).
+is resolved to paths before this stage, by a sensitivity search (compiler/sensitivity.py). With
+`exclude_block_size` (int8-dynamic, int4) they are quantized in that finer block size instead, in a
+second pass, so the weights a search keeps cost a quarter of their fp32 bytes.
 """
 
 from __future__ import annotations
@@ -96,8 +98,11 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
     excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
     interface, exact, notes = make(proto, source, variant, calibration, excluded, folder)
     artifact = saved_graph(folder, interface, source.shapes)
+    finer = spec is not None and spec.exclude_block_size is not None
     report = {"mode": mode or variant.precision, "weight_matmuls": len(layers),
-              "kept_fp32": [layers[n] for n in excluded], "kept_source_grid": [layers[n] for n in exact],
+              "kept_fp32": [] if finer else [layers[n] for n in excluded],
+              **({"kept_finer_blocks": [layers[n] for n in excluded]} if finer else {}),
+              "kept_source_grid": [layers[n] for n in exact],
               "settings": spec.model_dump() if spec else {}, **notes, **({"smoothing": smoothed} if smoothed else {})}
     return artifact, report
 
@@ -113,46 +118,64 @@ def _matches(path: str, spec: Any) -> bool:
 def _weight_blocks(bits: int) -> Callable[..., Made]:
     def make(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
              folder: Path) -> Made:
-        from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
         spec = variant.quantize
+        # `exclude` keeps its modules in fp32, or with exclude_block_size quantizes them in a second pass,
+        # in finer blocks.
+        finer = excluded if spec.exclude_block_size else []
         # Read before quantizing: the quantizer drops the head's fp32 weight where nothing else reads it.
-        exact_rows, rescoring = _rows_to_rescore(proto, spec.exact_top_logits, excluded)
-        # A weight on an int8 grid keeps it at 8 bits in the 4-bit mode too: 4 bits would re-round it.
-        # Not a rescored LM head: its top logits come from the fp32 rows whatever its bits, so 4 bits
-        # cost only the logits below them, and it is the largest weight a step reads (SmolLM2's
-        # int4: decode steps 5% to 7% faster alone at batch 1, top-1 0.972 either way, perplexity +0.73%
-        # against +0.28%).
-        exact = _on_int8_grid(proto, spec.block_size, excluded)
-        head = lm_head(proto)
-        if bits == 4 and exact_rows is not None and head in exact:
-            exact.remove(head)
-            rescoring += "; the head itself at 4 bits, re-rounded from its int8 source grid"
-        # A weight on a 4-bit grid (GGUF Q4_1) keeps its levels exactly in the 4-bit mode. Not at 8 bits:
-        # measured on SmolLM2, exact levels there gave perplexity -0.27% against +1.14% but top-1 on the
-        # held-out text 95.6% against 98.1%, with 240 nodes more; 8-bit blocks are within 1/34 of a
-        # Q4_1 step already.
-        exact4 = _on_int4_grid(proto, spec.block_size, [*excluded, *exact]) if bits == 4 else []
-        kept = [*excluded, *exact, *exact4]
-        if spec.rounding == "gptq":
-            model = proto
-            rounded = [n for n in weight_matmuls(proto) if n not in kept]
-            if rounded:
-                _gptq(model, source, rounded, calibration, bits, spec.block_size, folder / ".gptq")
-        else:
-            quantizer = MatMulNBitsQuantizer(proto, bits=bits, block_size=spec.block_size, is_symmetric=False,
-                                             accuracy_level=4, nodes_to_exclude=kept)
-            quantizer.process()
-            model = quantizer.model.model
-        _encode_int8_grid(model, exact, spec.block_size)
-        _encode_int4_grid(model, exact4, spec.block_size, bits)
+        exact_rows, rescoring = _rows_to_rescore(proto, spec.exact_top_logits, [] if finer else excluded)
+        rescored_head = lm_head(proto) if exact_rows is not None else None
+        passes = [(spec.block_size, excluded)]
+        if finer:
+            passes.append((spec.exclude_block_size, [n for n in weight_matmuls(proto) if n not in finer]))
+        model, on_grid = proto, []
+        for block_size, skipped in passes:
+            model, exact, rerounded = _quantize_blocks(model, source, spec, calibration, bits, block_size, skipped,
+                                                       rescored_head, folder)
+            on_grid += exact
+            if rerounded:
+                rescoring += "; the head itself at 4 bits, re-rounded from its int8 source grid"
         if exact_rows is not None:
             _rescore_top_logits(model, exact_rows, spec.exact_top_logits)
         save_proto(model, folder)
-        return (source.interface, sorted([*exact, *exact4]),
-                {"exact_top_logits": rescoring})
+        return source.interface, sorted(on_grid), {"exact_top_logits": rescoring}
 
     return make
+
+
+def _quantize_blocks(model: Any, source: OnnxArtifact, spec: Any, calibration: Any, bits: int, block_size: int,
+                     skipped: list[str], rescored_head: str | None, folder: Path) -> tuple[Any, list[str], bool]:
+    """The weight MatMuls but `skipped` -> MatMulNBits of `bits` in blocks of `block_size`; returns the
+    model, the weights kept on their source grid, and whether the rescored head left its int8 grid."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    # A weight on an int8 grid keeps it at 8 bits in the 4-bit mode too: 4 bits would re-round it.
+    # Not a rescored LM head: its top logits come from the fp32 rows whatever its bits, so 4 bits
+    # cost only the logits below them, and it is the largest weight a step reads (SmolLM2's
+    # int4: decode steps 5% to 7% faster alone at batch 1, top-1 0.972 either way, perplexity +0.73%
+    # against +0.28%).
+    exact = _on_int8_grid(model, block_size, skipped)
+    rerounded = bits == 4 and rescored_head in exact
+    if rerounded:
+        exact.remove(rescored_head)
+    # A weight on a 4-bit grid (GGUF Q4_1) keeps its levels exactly in the 4-bit mode. Not at 8 bits:
+    # measured on SmolLM2, exact levels there gave perplexity -0.27% against +1.14% but top-1 on the
+    # held-out text 95.6% against 98.1%, with 240 nodes more; 8-bit blocks are within 1/34 of a
+    # Q4_1 step already.
+    exact4 = _on_int4_grid(model, block_size, [*skipped, *exact]) if bits == 4 else []
+    kept = [*skipped, *exact, *exact4]
+    if spec.rounding == "gptq":
+        rounded = [n for n in weight_matmuls(model) if n not in kept]
+        if rounded:
+            _gptq(model, source, rounded, calibration, bits, block_size, folder / ".gptq")
+    else:
+        quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=block_size, is_symmetric=False,
+                                         accuracy_level=4, nodes_to_exclude=kept)
+        quantizer.process()
+        model = quantizer.model.model
+    _encode_int8_grid(model, exact, block_size)
+    _encode_int4_grid(model, exact4, block_size, bits)
+    return model, [*exact, *exact4], rerounded
 
 
 def _gptq(proto: Any, source: OnnxArtifact, nodes: list[str], calibration: Sequence[list[int]], bits: int,

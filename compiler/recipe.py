@@ -116,6 +116,11 @@ class QuantizeSpec(_Strict):
     # passes without; none if everything quantized passes (compiler/sensitivity.py; a per-group
     # sensitivity table in its report when one was needed).
     exclude: list[str] | Literal["auto"] = []
+    # int8-dynamic, int4: what `exclude` keeps. Unset: fp32. A block size smaller than block_size: those
+    # modules quantized in blocks of it instead, at the mode's bits, so a search keeps its sensitive
+    # groups at a quarter of fp32's bytes (SmolLM2: blocks of 128 with the sensitive groups in blocks of
+    # 32).
+    exclude_block_size: Literal[16, 32, 64, 128] | None = None
     # int8-dynamic, int4, with the LM head quantized: its this-many highest logits recomputed in fp32
     # from the head's fp32 rows (the tied embedding, or a copy), so greedy tokens see the fp32 head's
     # order among them (the rest stay quantized); 0 turns it off.
@@ -140,6 +145,17 @@ class QuantizeSpec(_Strict):
         if self.mode == "int8-static" and self.exact_top_logits and "exact_top_logits" in self.model_fields_set:
             raise ValueError("exact_top_logits rescores a MatMulNBits LM head (int8-dynamic, int4); int8-static's "
                              "QDQ head has none: drop exact_top_logits or change the mode")
+        if self.exclude_block_size is not None:
+            if self.mode == "int8-static":
+                raise ValueError("exclude_block_size sets the blocks of MatMulNBits weights (int8-dynamic, int4); "
+                                 "int8-static's weights have none: drop exclude_block_size or change the mode")
+            if self.exclude_block_size >= self.block_size:
+                raise ValueError(f"exclude_block_size {self.exclude_block_size} is not smaller than block_size "
+                                 f"{self.block_size}: the excluded modules get finer blocks than the rest; lower it "
+                                 "or raise block_size")
+            if not self.exclude:
+                raise ValueError("exclude_block_size sets how `exclude` keeps its modules, and exclude is empty: "
+                                 "give exclude (module-path globs, or auto) or drop exclude_block_size")
         if self.smoothing is not None and self.mode == "int4":
             raise ValueError("smoothing applies to modes int8-dynamic and int8-static; int4 keeps weights on "
                              "their source grid, which smoothing would move them off: drop smoothing or change "

@@ -80,8 +80,8 @@ def _speed_note(report: dict[str, Any]) -> str:
     return "tokens/s from one timed run each" if repeats == 1 else f"tokens/s: medians of {repeats} interleaved runs"
 
 
-SENSITIVITY_COLUMNS = ["rank", "module group", "MatMul weights", "KL mean", "KL max", "top-1", "in fp32"]
-ATTEMPT_COLUMNS = ["groups in fp32", "MatMul weights in fp32", "top-1", "perplexity change", "result"]
+SENSITIVITY_COLUMNS = ["rank", "module group", "MatMul weights", "KL mean", "KL max", "top-1", "kept"]
+ATTEMPT_COLUMNS = ["groups kept", "MatMul weights kept", "top-1", "perplexity change", "result"]
 
 
 def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[list[str]]] | None:
@@ -90,26 +90,27 @@ def _sensitivity(report: dict[str, Any]) -> tuple[str, list[list[str]], list[lis
     found = report.get("exclude_auto")
     if not found:
         return None
-    kept = set(found["groups_in_fp32"])
+    kept, kept_as = set(found["groups_kept"]), found["kept_as"]
     total = sum(r.get("weight_elements", 0) for r in found["sensitivity"]) or 1
     groups = [[str(rank), r["group"], f"{r.get('weight_elements', 0) / total:.1%}",
                fmt("kl_divergence", r["kl_divergence"]), fmt("kl_divergence", r["kl_divergence_max"]),
                fmt("top1_agreement", r["top1_agreement"]), "yes" if r["group"] in kept else ""]
               for rank, r in enumerate(found["sensitivity"], 1)]
-    attempts = [[f"{a['groups_in_fp32']}" + (f" ({', '.join(a['groups'])})" if a.get("groups") else ""),
-                 f"{a.get('weights_in_fp32', 0):.1%}", fmt("top1_agreement", a["top1_agreement"]),
+    attempts = [[f"{a['groups_kept']}" + (f" ({', '.join(a['groups'])})" if a.get("groups") else ""),
+                 f"{a.get('weights_kept', 0):.1%}", fmt("top1_agreement", a["top1_agreement"]),
                  fmt("perplexity_change", a["perplexity_change"]),
                  "pass" if not a["failed_gates"] else "missed " + ", ".join(a["failed_gates"])]
                 for a in found["attempts"]]
-    outcome = (f"{len(kept)} of {len(groups)} module groups kept in fp32 "
-               f"({found.get('weights_in_fp32', 0):.1%} of the MatMul weights)"
-               if found["met_gates"] else f"no count of the {len(groups)} module groups in fp32 met the gates; "
+    outcome = (f"{len(kept)} of {len(groups)} module groups kept {kept_as} "
+               f"({found.get('weights_kept', 0):.1%} of the MatMul weights)"
+               if found["met_gates"] else f"no count of the {len(groups)} module groups {kept_as} met the gates; "
                "built with none kept")
     if not found["sensitivity"]:
         return ("quantize.exclude: auto. Every module group quantized met the gates at the first attempt: none "
-                "kept in fp32, and no per-group ranking measured (it costs a quantized build per group).", [], attempts)
+                f"kept {kept_as}, and no per-group ranking measured (it costs a quantized build per group).",
+                [], attempts)
     sentence = (f"quantize.exclude: auto. Each module group quantized alone, the rest fp32, against the fp32 graph "
-                f"(teacher-forced on the calibration prompts), most sensitive first; kept in fp32: the shortest "
+                f"(teacher-forced on the calibration prompts), most sensitive first; kept {kept_as}: the shortest "
                 f"prefix that passed, less each group, heaviest first, that it passed without; {outcome}.")
     return sentence, groups, attempts
 

@@ -9,16 +9,16 @@ build, where the ranking costs one per group):
    its next-token distributions from the fp32 graph's, teacher-forced over the calibration prompts.
    This is the per-layer table a user reads to see where accuracy goes; it reads the calibration set,
    not the held-out text the gates judge.
-2. Search (`lightest_kept`): the groups kept in fp32 start as a prefix of that ranking, most sensitive
-   first: the shortest prefix whose variant meets the gates, found by doubling, then bisection
-   (`fewest_kept`). Then each kept group, heaviest first, is dropped if the variant still meets the
-   gates without it. Weights are what a decode step reads, so what stays in fp32 is its speed, and KL
-   is not what the gates measure: SmolLM2's LM head holds a fifth of its weights (as many as ten
-   MLPs) and ranks 4th by KL, yet with its top logits recomputed in fp32 (`exact_top_logits`) its
-   argmax hardly moves, so top-1 does not need it. Ranking by KL per weight instead was measured and
-   was worse there (34 groups, 364 MiB resident against 299). The prefix takes passing to be
-   monotone in its length, which holds when the groups' errors roughly add up; every attempt is
-   recorded, so a case where it does not shows in the report. The attempts are gated on the gates'
+2. Search (`lightest_kept`): the groups kept (in fp32, or in finer blocks with `exclude_block_size`)
+   start as a prefix of that ranking, most sensitive first: the shortest prefix whose variant meets
+   the gates, found by doubling, then bisection (`fewest_kept`). Then each kept group, heaviest first,
+   is dropped if the variant still meets the gates without it. Weights are what a decode step reads, so
+   what stays in fp32 is its speed, and KL is not what the gates measure: SmolLM2's LM head holds a
+   fifth of its weights (as many as ten MLPs) and ranks 4th by KL, yet with its top logits recomputed
+   in fp32 (`exact_top_logits`) its argmax hardly moves, so top-1 does not need it. Ranking by KL per
+   weight instead was measured and was worse there (34 groups, 364 MiB resident against 299). The
+   prefix takes passing to be monotone in its length, which holds when the groups' errors roughly add
+   up; every attempt is recorded, so a case where it does not shows in the report. The attempts are gated on the gates'
    own held-out text and prompts, so for an `exclude: auto` variant those are the search's stopping
    rule as well as its measurement, no longer an independent estimate.
 
@@ -111,8 +111,12 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
     reference = teacher_forced(fp32, rows, pad_id, into=logits_folder / "reference.bin")
     fp32.close()
     records = []
+    # The rest in fp32 even where exclude_block_size would keep them in finer blocks: one group's weights
+    # quantized per build, not every weight.
+    coarse_only = variant.quantize.model_copy(update={"exclude_block_size": None})
+    fp32_rest = variant.model_copy(update={"quantize": coarse_only})
     for group, members in groups.items():
-        alone = with_exclude(variant, [p for p in paths if p not in members])
+        alone = with_exclude(fp32_rest, [p for p in paths if p not in members])
         graph, _ = quantize(source, alone, calibration, folder)
         backend = OnnxRuntimeBackend(graph.model_path, graph.interface)
         logits = teacher_forced(backend, rows, pad_id, into=logits_folder / "group.bin")

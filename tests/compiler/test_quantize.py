@@ -21,6 +21,8 @@ from tests.conftest import write_recipe
 VARIANTS = """\
   - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head], smoothing: 0.5}}
   - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 16}}
+  - {name: cpu-int8-mixed, target: onnxruntime, quantize: {mode: int8-dynamic, block_size: 64,
+     exclude: ["model.layers.0.*", lm_head], exclude_block_size: 16}}
   - {name: cpu-int4-gptq, target: onnxruntime, quantize: {mode: int4, rounding: gptq}}
   - {name: cpu-int8-static, target: onnxruntime, quantize: {mode: int8-static, method: minmax, smoothing: 0.5}}
   - {name: cpu-int8-entropy, target: onnxruntime, quantize: {mode: int8-static, method: entropy, smoothing: 0.5}}
@@ -80,6 +82,20 @@ def test_each_mode_makes_the_graph_it_promises(quantized):
     assert entry["interface"]["outputs"][0]["dtype"] == "float32"  # logits keep their type
     types = {i.data_type for i in graph.graph.initializer if len(i.dims) == 2}
     assert onnx.TensorProto.FLOAT16 in types
+
+
+def test_excluded_modules_take_finer_blocks_with_exclude_block_size(quantized):
+    entry, graph = _graph(quantized, "cpu-int8-mixed")
+    report = json.loads((quantized / entry["report"]).read_text())["quantize"]
+    finer = {"lm_head", *(f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"),
+             *(f"model.layers.0.mlp.{p}_proj" for p in ("gate", "up", "down"))}
+    assert report["kept_fp32"] == [] and set(report["kept_finer_blocks"]) == finer
+    assert not weight_matmuls(graph)  # nothing left in fp32
+    blocks = [next(a.i for a in node.attribute if a.name == "block_size")
+              for node in graph.graph.node if node.op_type == "MatMulNBits"]
+    # In graph order, each layer's q/k/v packed, o, gate/up packed, down, then the LM head: layer 0 and the
+    # head in blocks of 16, layer 1 in blocks of 64 (packing joins only weights in blocks of one size).
+    assert blocks == [16] * 4 + [64] * 4 + [16]
 
 
 def test_int8_static_runs_as_integer_matmuls_in_onnx_runtime(quantized, tmp_path):

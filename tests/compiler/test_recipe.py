@@ -121,6 +121,17 @@ BAD = {
     "exclude neither globs nor auto": (
         ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-dynamic, exclude: automatic}}"),
         "variants.0.quantize.exclude: is 'automatic'; give a list of module-path globs such as [lm_head], or auto"),
+    "exclude block size not finer": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head], "
+         "exclude_block_size: 64}}"),
+        "variants.0.quantize: exclude_block_size 64 is not smaller than block_size 32: the excluded modules get"),
+    "exclude block size without exclude": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int4, exclude_block_size: 16}}"),
+        "variants.0.quantize: exclude_block_size sets how `exclude` keeps its modules, and exclude is empty"),
+    "exclude block size on static int8": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-static, exclude: [lm_head], "
+         "exclude_block_size: 16}}"),
+        "variants.0.quantize: exclude_block_size sets the blocks of MatMulNBits weights (int8-dynamic, int4)"),
     "exact top logits on static int8": (
         ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-static, exact_top_logits: 16}}"),
         "variants.0.quantize: exact_top_logits rescores a MatMulNBits LM head (int8-dynamic, int4); int8-static"),

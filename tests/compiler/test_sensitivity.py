@@ -68,9 +68,10 @@ def test_the_search_keeps_a_prefix_by_kl_less_what_the_gates_pass_without(allowe
     assert len(tried) == len({frozenset(t) for t in tried})  # a set of groups built once
 
 
-def _compile(tiny_checkpoints, root, gates):
+def _compile(tiny_checkpoints, root, gates, quantize=""):
     root.mkdir()
-    variants = f"  - {{name: cpu-int4, target: onnxruntime, quantize: {{mode: int4, exclude: auto}}, gates: {gates}}}\n"
+    variants = (f"  - {{name: cpu-int4, target: onnxruntime, quantize: {{mode: int4, exclude: auto{quantize}}}, "
+                f"gates: {gates}}}\n")
     recipe = write_recipe(root / "r.yaml", tiny_checkpoints["llama"], variants=variants,
                           extra="validate: {max_new_tokens: 8}\n")
     artifact = compile_recipe(recipe, root / "artifact", keep_failed=True)
@@ -91,20 +92,33 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     assert kls == sorted(kls, reverse=True) and kls[0] > 0
     weights = {r["group"]: r["weight_elements"] for r in found["sensitivity"]}
     assert weights["lm_head"] == VOCAB * 64 and weights["model.layers.0.mlp"] == 3 * 64 * 128  # tiny Llama's shapes
-    assert [a["groups_in_fp32"] for a in found["attempts"]] == [0, 1, 2, 4, 5]
+    assert [a["groups_kept"] for a in found["attempts"]] == [0, 1, 2, 4, 5]
     assert entry["status"] == "failed" and report["quantize"]["kept_fp32"] == []
+    assert found["kept_as"] == "in fp32"
+
+    # Kept in finer blocks instead (exclude_block_size): the same ranking (each group alone, the rest in
+    # fp32), the same prefixes tried, each measured with its kept groups quantized in blocks of 16.
+    _, entry, finer = _compile(tiny_checkpoints, tmp_path / "finer", "{max_logit_error: 1.0e-12}",
+                               ", exclude_block_size: 16")
+    assert finer["exclude_auto"]["kept_as"] == "in blocks of 16"
+    assert finer["exclude_auto"]["sensitivity"] == found["sensitivity"]
+    by_count = {a["groups_kept"]: a for a in finer["exclude_auto"]["attempts"]}
+    assert list(by_count) == [0, 1, 2, 4, 5] and by_count[0]["top1_agreement"] == found["attempts"][0]["top1_agreement"]
+    assert by_count[5]["perplexity_change"] != 0.0  # every group kept is still quantized, in finer blocks
+    markdown = (tmp_path / "finer" / "artifact" / "reports" / "cpu-int4.md").read_text()
+    assert "| groups kept |" in markdown and "groups in blocks of 16 met the gates" in markdown
 
     # A gate between what two and what one group in fp32 measured: the search keeps at most those two,
     # the most sensitive, less any the gate passes without; every lighter attempt failed.
-    top1 = {a["groups_in_fp32"]: a["top1_agreement"] for a in found["attempts"]}
+    top1 = {a["groups_kept"]: a["top1_agreement"] for a in found["attempts"]}
     assert top1[5] == 1.0 and top1[0] < top1[2]
     threshold = top1[2]
     artifact, entry, report = _compile(tiny_checkpoints, tmp_path / "reachable", f"{{top1_agreement: {threshold}}}")
     found = report["exclude_auto"]
     assert entry["status"] == "built" and found["met_gates"]
-    kept = found["groups_in_fp32"]
+    kept = found["groups_kept"]
     assert 0 < len(kept) <= 2 and set(kept) <= {r["group"] for r in found["sensitivity"][:2]}
-    assert found["weights_in_fp32"] == sum(weights[g] for g in kept) / sum(weights.values())
+    assert found["weights_kept"] == sum(weights[g] for g in kept) / sum(weights.values())
     tried = {frozenset(a["groups"]): a["failed_gates"] for a in found["attempts"]}
     assert not tried[frozenset(kept)] and all(tried[frozenset(kept) - {g}] for g in kept)
     modules = [m for r in found["sensitivity"] if r["group"] in kept for m in r["modules"]]
@@ -121,7 +135,7 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     artifact, entry, report = _compile(tiny_checkpoints, tmp_path / "loose", "{perplexity_change: 10.0}")
     found = report["exclude_auto"]
     assert entry["status"] == "built" and found["met_gates"] and found["sensitivity"] == []
-    assert [(a["groups_in_fp32"], a["failed_gates"]) for a in found["attempts"]] == [(0, [])]
+    assert [(a["groups_kept"], a["failed_gates"]) for a in found["attempts"]] == [(0, [])]
     assert report["quantize"]["kept_fp32"] == [] and not weight_matmuls(onnx.load(str(artifact / entry["model"])))
     assert "no per-group ranking measured" in (artifact / "reports" / "cpu-int4.md").read_text()
     html = (artifact / "reports" / "cpu-int4.html").read_text()
