@@ -98,10 +98,9 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
     excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
     interface, exact, notes = make(proto, source, variant, calibration, excluded, folder)
     artifact = saved_graph(folder, interface, source.shapes)
-    finer = spec is not None and spec.exclude_block_size is not None
+    finer = spec is not None and spec.exclude_block_size is not None  # then the mode's notes list them
     report = {"mode": mode or variant.precision, "weight_matmuls": len(layers),
               "kept_fp32": [] if finer else [layers[n] for n in excluded],
-              **({"kept_finer_blocks": [layers[n] for n in excluded]} if finer else {}),
               "kept_source_grid": [layers[n] for n in exact],
               "settings": spec.model_dump() if spec else {}, **notes, **({"smoothing": smoothed} if smoothed else {})}
     return artifact, report
@@ -121,13 +120,16 @@ def _weight_blocks(bits: int) -> Callable[..., Made]:
         spec = variant.quantize
         # `exclude` keeps its modules in fp32, or with exclude_block_size quantizes them in a second pass,
         # in finer blocks.
+        paths = weight_matmuls(proto)
         finer = excluded if spec.exclude_block_size else []
         # Read before quantizing: the quantizer drops the head's fp32 weight where nothing else reads it.
         exact_rows, rescoring = _rows_to_rescore(proto, spec.exact_top_logits, [] if finer else excluded)
         rescored_head = lm_head(proto) if exact_rows is not None else None
-        passes = [(spec.block_size, excluded)]
         if finer:
-            passes.append((spec.exclude_block_size, [n for n in weight_matmuls(proto) if n not in finer]))
+            finer = _off_source_grid(proto, finer, spec.block_size, bits, rescored_head)
+        passes = [(spec.block_size, finer if spec.exclude_block_size else excluded)]
+        if finer:
+            passes.append((spec.exclude_block_size, [n for n in paths if n not in finer]))
         model, on_grid = proto, []
         for block_size, skipped in passes:
             model, exact, rerounded = _quantize_blocks(model, source, spec, calibration, bits, block_size, skipped,
@@ -138,9 +140,25 @@ def _weight_blocks(bits: int) -> Callable[..., Made]:
         if exact_rows is not None:
             _rescore_top_logits(model, exact_rows, spec.exact_top_logits)
         save_proto(model, folder)
-        return source.interface, sorted(on_grid), {"exact_top_logits": rescoring}
+        notes = {"exact_top_logits": rescoring}
+        if spec.exclude_block_size:
+            notes["kept_finer_blocks"] = [paths[n] for n in finer]
+        return source.interface, sorted(on_grid), notes
 
     return make
+
+
+def _off_source_grid(proto: Any, names: list[str], block_size: int, bits: int, rescored_head: str | None
+                     ) -> list[str]:
+    """`names` less the weights already on a source grid at `block_size`: those are exact there (a
+    GGUF block is 32 wide, and a finer block would no longer find its grid and re-round it), as the
+    coarse pass keeps them. A rescored head at 4 bits is re-rounded either way, so it stays finer."""
+    others = [n for n in weight_matmuls(proto) if n not in names]
+    on_grid = set(_on_int8_grid(proto, block_size, others))
+    if bits == 4:
+        on_grid.discard(rescored_head)
+        on_grid |= set(_on_int4_grid(proto, block_size, [*others, *on_grid]))
+    return [n for n in names if n not in on_grid]
 
 
 def _quantize_blocks(model: Any, source: OnnxArtifact, spec: Any, calibration: Any, bits: int, block_size: int,
@@ -403,7 +421,7 @@ def _encode_int4_grid(model: Any, names: list[str], block_size: int, bits: int) 
         extra = -(-count // block_size)  # blocks of block means
         activation = node.input[0]
         if (activation, k) not in pooled:
-            base = f"{activation}_block_means"
+            base = f"{activation}_block_means_{block_size}"  # unique where two block sizes read x
             at = next(i for i, x in enumerate(graph.node) if activation in x.input)  # before its first reader
             # Activations are [batch, seq, K] in every exported graph: pooled as [N, C, length].
             graph.node.insert(at, helper.make_node("AveragePool", [activation], [base], name=base,
