@@ -125,18 +125,18 @@ def _weight_blocks(bits: int) -> Callable[..., Made]:
         # Read before quantizing: the quantizer drops the head's fp32 weight where nothing else reads it.
         exact_rows, rescoring = _rows_to_rescore(proto, spec.exact_top_logits, [] if finer else excluded)
         rescored_head = lm_head(proto) if exact_rows is not None else None
+        model, on_grid, rerounded = _quantize_blocks(proto, source, spec, calibration, bits, spec.block_size,
+                                                     [] if finer else excluded, finer, rescored_head, folder)
+        # What the first pass kept on its source grid stays there: a finer block would no longer find the
+        # grid (a GGUF block is 32 wide) and would re-round it.
+        finer = [n for n in finer if n not in on_grid]
         if finer:
-            finer = _off_source_grid(proto, finer, spec.block_size, bits, rescored_head)
-        passes = [(spec.block_size, finer if spec.exclude_block_size else excluded)]
-        if finer:
-            passes.append((spec.exclude_block_size, [n for n in paths if n not in finer]))
-        model, on_grid = proto, []
-        for block_size, skipped in passes:
-            model, exact, rerounded = _quantize_blocks(model, source, spec, calibration, bits, block_size, skipped,
-                                                       rescored_head, folder)
-            on_grid += exact
-            if rerounded:
-                rescoring += "; the head itself at 4 bits, re-rounded from its int8 source grid"
+            rest = [n for n in paths if n not in finer]
+            model, exact, rerounded_finer = _quantize_blocks(model, source, spec, calibration, bits,
+                                                             spec.exclude_block_size, rest, [], rescored_head, folder)
+            on_grid, rerounded = on_grid + exact, rerounded or rerounded_finer
+        if rerounded:
+            rescoring += "; the head itself at 4 bits, re-rounded from its int8 source grid"
         if exact_rows is not None:
             _rescore_top_logits(model, exact_rows, spec.exact_top_logits)
         save_proto(model, folder)
@@ -148,23 +148,12 @@ def _weight_blocks(bits: int) -> Callable[..., Made]:
     return make
 
 
-def _off_source_grid(proto: Any, names: list[str], block_size: int, bits: int, rescored_head: str | None
-                     ) -> list[str]:
-    """`names` less the weights already on a source grid at `block_size`: those are exact there (a
-    GGUF block is 32 wide, and a finer block would no longer find its grid and re-round it), as the
-    coarse pass keeps them. A rescored head at 4 bits is re-rounded either way, so it stays finer."""
-    others = [n for n in weight_matmuls(proto) if n not in names]
-    on_grid = set(_on_int8_grid(proto, block_size, others))
-    if bits == 4:
-        on_grid.discard(rescored_head)
-        on_grid |= set(_on_int4_grid(proto, block_size, [*others, *on_grid]))
-    return [n for n in names if n not in on_grid]
-
-
 def _quantize_blocks(model: Any, source: OnnxArtifact, spec: Any, calibration: Any, bits: int, block_size: int,
-                     skipped: list[str], rescored_head: str | None, folder: Path) -> tuple[Any, list[str], bool]:
-    """The weight MatMuls but `skipped` -> MatMulNBits of `bits` in blocks of `block_size`; returns the
-    model, the weights kept on their source grid, and whether the rescored head left its int8 grid."""
+                     skipped: list[str], later: list[str], rescored_head: str | None, folder: Path
+                     ) -> tuple[Any, list[str], bool]:
+    """The weight MatMuls but `skipped` -> MatMulNBits of `bits` in blocks of `block_size`, but those of
+    `later` (left for a pass in finer blocks) that are not on a source grid here; returns the model, the
+    weights kept on their source grid, and whether the rescored head left its int8 grid."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     # A weight on an int8 grid keeps it at 8 bits in the 4-bit mode too: 4 bits would re-round it.
@@ -181,7 +170,7 @@ def _quantize_blocks(model: Any, source: OnnxArtifact, spec: Any, calibration: A
     # held-out text 95.6% against 98.1%, with 240 nodes more; 8-bit blocks are within 1/34 of a
     # Q4_1 step already.
     exact4 = _on_int4_grid(model, block_size, [*skipped, *exact]) if bits == 4 else []
-    kept = [*skipped, *exact, *exact4]
+    kept = [*skipped, *exact, *exact4, *later]
     if spec.rounding == "gptq":
         rounded = [n for n in weight_matmuls(model) if n not in kept]
         if rounded:

@@ -18,9 +18,9 @@ build, where the ranking costs one per group):
    in fp32 (`exact_top_logits`) its argmax hardly moves, so top-1 does not need it. Ranking by KL per
    weight instead was measured and was worse there (34 groups, 364 MiB resident against 299). The
    prefix takes passing to be monotone in its length, which holds when the groups' errors roughly add
-   up; every attempt is recorded, so a case where it does not shows in the report. The attempts are gated on the gates'
-   own held-out text and prompts, so for an `exclude: auto` variant those are the search's stopping
-   rule as well as its measurement, no longer an independent estimate.
+   up; every attempt is recorded, so a case where it does not shows in the report. The attempts are
+   gated on the gates' own held-out text and prompts, so for an `exclude: auto` variant those are the
+   search's stopping rule as well as its measurement, no longer an independent estimate.
 
 Every quantized variant also gets a layerwise comparison (`residual_errors`, Polygraphy's per-tensor
 comparison of two runners, on the points that matter): the residual stream after each attention and

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import onnx
@@ -322,7 +323,7 @@ def test_a_weight_on_an_int8_grid_keeps_it_exactly():
 
 
 @pytest.mark.parametrize("bits", [4, 8])
-def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits):
+def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
     """A GGUF Q4_1 tensor (blocks of d * q + m, q = 0..15) is encoded with its own levels, at 4 bits or
     8: the output is within int8 activation rounding of x @ w, where rounding its zero point as ONNX
     Runtime's 4-bit quantizer does is several times further off (8x here). Two MatMuls reading one
@@ -331,7 +332,7 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits):
     from onnx import helper, numpy_helper
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from compiler.quantize import _encode_int4_grid, _off_source_grid, _on_int4_grid
+    from compiler.quantize import _encode_int4_grid, _on_int4_grid, _quantize_blocks
 
     rng = np.random.default_rng(0)
     k, n, block = 1152, 24, 32  # 36 blocks: their sums take two blocks of their own
@@ -364,8 +365,13 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits):
     assert _on_int4_grid(model, 16, excluded=[]) == []  # halves of a block do not span its levels
     # So exclude_block_size: 16 would re-round them: in the int4 mode they keep their grid at 32 instead
     # (at 8 bits Q4_1 weights are rounded anyway, and finer blocks round them closer).
-    assert _off_source_grid(model, ["mm0", "mm1", "off"], block, bits, None) == (["off"] if bits == 4 else
-                                                                                 ["mm0", "mm1", "off"])
+    later = onnx.ModelProto()
+    later.CopyFrom(model)
+    later, exact, _ = _quantize_blocks(later, None, SimpleNamespace(rounding="nearest"), None, bits, block,
+                                       skipped=[], later=["mm0", "mm1", "off"], rescored_head=None, folder=tmp_path)
+    assert exact == (["mm0", "mm1"] if bits == 4 else [])
+    assert [nd.op_type for nd in later.graph.node if nd.op_type.startswith("MatMul")] == (
+        ["MatMulNBits", "MatMulNBits", "MatMul"] if bits == 4 else ["MatMul"] * 3)  # the rest left for later
     _encode_int4_grid(model, found, block, bits)
     ops = [nd.op_type for nd in model.graph.node]
     assert ops.count("MatMulNBits") == 2 and ops.count("Concat") == ops.count("AveragePool") == 1  # block means, once for both
