@@ -11,7 +11,7 @@
 FROM nvcr.io/nvidia/tensorrt:25.10-py3 AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 WORKDIR /opt/kiln
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY compiler/ compiler/
 COPY runtime/ runtime/
 COPY recipes/ recipes/
@@ -35,7 +35,7 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/*
 WORKDIR /opt/kiln
-COPY pyproject.toml README.md ./
+COPY pyproject.toml setup.py README.md ./
 COPY runtime/ runtime/
 # Only the runtime package is copied, so only it is installed; the gpu and tensorrt extras bring
 # onnxruntime-gpu, TensorRT's runtime, Polygraphy and cuda-python (tests check: no torch).

@@ -10,6 +10,8 @@ For a compiler change measured against the build it replaces (compile both, then
 into an array of its own), the same step every time. NAME=FOLDER names an onnxruntime-genai model
 folder instead (one with genai_config.json, as bench/peers.py builds them): its graph driven as genai
 drives it, past and present bound to one buffer per layer, logits into an array, no copy out.
+NAME=ARTIFACT:VARIANT/FILE runs one graph file of the variant's rather than the one the host would
+pick, e.g. `mlas=out/a:cpu-int8/model.onnx kiln=out/a:cpu-int8/model_kernels.onnx` (runtime/cpu_kernels.py).
 
 Why a tool of its own: on the 2-core VM this project is measured on, one graph loaded twice in one
 process ran 12% to 16% slower a step in the session created first than in the one created second
@@ -112,9 +114,18 @@ def load(spec: str, threads: int, verify: bool = False):
     if is_genai_folder(spec):
         return GenaiGraph(Path(spec), threads)
     folder, _, variant = spec.rpartition(":")
+    variant, _, graph = variant.partition("/")
     try:
         artifact = Artifact.open(folder, verify=verify)
-        return open_backend(artifact.folder, artifact.variant(variant), threads=threads)
+        entry = artifact.variant(variant)
+        if graph:  # one graph file of the variant's, e.g. model.onnx where the host would run model_kernels.onnx
+            from runtime.backend import OnnxRuntimeBackend
+            from runtime.cpu_kernels import KERNEL_MODEL_FILE, library
+
+            kernels = library()[0] if graph == KERNEL_MODEL_FILE else None
+            path = artifact.folder / Path(entry["model"]).parent / graph
+            return OnnxRuntimeBackend(path, entry["interface"], threads=threads, kernels=kernels)
+        return open_backend(artifact.folder, entry, threads=threads)
     except KilnError as exc:
         raise SystemExit(f"error: {exc}") from None
 

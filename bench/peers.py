@@ -9,7 +9,10 @@ dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 model
 with its model builder, and Kiln's cpu-int4 variant and a cpu-int8 with every layer quantized
 (bench/smollm2-variants.yaml; int4's GPTQ twin is not run: SmolLM2's layer weights are on a Q4_1
 grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
-(`exclude: auto`) come from --artifact, the main command's artifact.
+(`exclude: auto`) come from --artifact, the main command's artifact. Each Kiln row runs the graph this
+host would run: Kiln's CPU kernels where the variant ships their graph and the CPU has AVX-512 VNNI
+(runtime/cpu_kernels.py); the row "Kiln cpu-int8 on MLAS" runs the same variant's model.onnx, on
+ONNX Runtime's own MatMulNBits, in the same rounds.
 
 The protocol (issue 19): 64 chat-templated prompts of 36 to 49 tokens, fed as token ids to every
 backend; greedy, exactly --new-tokens new tokens (EOS ignored); --threads threads each; tokens/s of
@@ -144,13 +147,28 @@ def kiln_quantized(work: Path) -> Path:
 # -- the backends: generate(prompts) -> (tokens per prompt, seconds to first tokens); teacher_forced -
 
 class Kiln:
-    def __init__(self, artifact: Path, variant: str, threads: int, label: str | None = None) -> None:
+    """A Kiln variant through its Generator, on the graph this host would run (Kiln's CPU kernels where
+    the variant has them and the CPU runs them); `mlas` runs its model.onnx instead, on ONNX Runtime's
+    own kernels."""
+
+    def __init__(self, artifact: Path, variant: str, threads: int, label: str | None = None,
+                 mlas: bool = False) -> None:
+        from runtime.artifact import Artifact
+        from runtime.backend import OnnxRuntimeBackend
         from runtime.generator import Generator
+        from runtime.tokenizer import Tokenizer
 
         self.name = label or f"Kiln {variant}"
-        self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
+        if mlas:
+            opened = Artifact.open(artifact)
+            entry = opened.variant(variant)
+            backend = OnnxRuntimeBackend(opened.folder / entry["model"], entry["interface"], threads=threads)
+            self.generator = Generator(opened, backend, Tokenizer(opened.tokenizer_dir), max(BATCHES))
+        else:
+            self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
         manifest = json.loads((Path(artifact) / "manifest.json").read_text())
-        self.graph = tuple(manifest["files"][f]["sha256"] for f in manifest["variants"][variant]["files"])
+        self.graph = (*(manifest["files"][f]["sha256"] for f in manifest["variants"][variant]["files"]),
+                      self.generator.backend.kernels is not None)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
         from runtime.sampling import SamplingParams
@@ -325,6 +343,7 @@ def load_backends(args, round_number: int | None = None) -> list:
     threads = args.threads
     makers = [lambda: Eager(threads),
               lambda: Kiln(artifact, "cpu-fp32", threads), lambda: Kiln(artifact, "cpu-int8", threads),
+              lambda: Kiln(artifact, "cpu-int8", threads, label="Kiln cpu-int8 on MLAS", mlas=True),
               lambda: Kiln(quantized, "cpu-int8", threads, label="Kiln cpu-int8, all quantized"),
               lambda: Kiln(quantized, "cpu-int4", threads)]
     if args.before:

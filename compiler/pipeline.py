@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backend import OnnxRuntimeBackend, open_backend
+from runtime.cpu_kernels import KERNEL_DATA_FILE, KERNEL_MODEL_FILE
 from runtime.memory import free_host_memory, measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure, reference_run
@@ -33,7 +34,7 @@ from .errors import CompileProcessError, GateFailure, InsufficientDisk, Insuffic
 from .export import OnnxArtifact, export
 from .fusions import pack_matmuls, rotary_in_attention
 from .load import Checkpoint, attention_for_export, fp32_weight_bytes, load_checkpoint, preflight, vocab_size
-from .optimize import GENAI_MODEL_FILE, fold_rotary, optimize, pack
+from .optimize import GENAI_MODEL_FILE, fold_rotary, kernel_graph, optimize, pack
 from .package import (
     model_facts,
     remove_stale_staging,
@@ -433,6 +434,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             optimized["rules"][rotary_in_attention.NAME] = folded
             log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
                      f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
+    kernels, kernels_why = (kernel_graph(graph, work / "kernels") if variant.target == "onnxruntime"
+                            else (None, "not an onnxruntime variant"))
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
 
@@ -459,10 +462,24 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
              f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
              + (f"; FAILED {', '.join(failures)}" if failures else ""))
+    kernel_summary: dict[str, Any] = {}
+    report["cpu_kernels"] = {"nodes": kernels_why if kernels is not None else 0}
+    if kernels is not None:
+        kernel_summary, kernels_why = _kernel_accuracy(variant, kernels, against_eager, log)
+        if not kernel_summary:
+            shutil.rmtree(kernels.folder)
+    if not kernel_summary:
+        report["cpu_kernels"]["why_not"] = kernels_why
     folder = staging / "variants" / variant.name
     folder.mkdir(parents=True)
     for name in graph.files:
         os.replace(graph.folder / name, folder / name)
+    if kernel_summary:  # its graph and its packed weights; the rest it reads from the variant's own file
+        os.replace(kernels.model_path, folder / KERNEL_MODEL_FILE)
+        os.replace(kernels.folder / KERNEL_DATA_FILE, folder / KERNEL_DATA_FILE)
+        shutil.rmtree(kernels.folder)
+        graph = dataclasses.replace(graph, files=[*graph.files, KERNEL_MODEL_FILE, KERNEL_DATA_FILE])
+        kernel_summary["kernel_model"] = f"variants/{variant.name}/{KERNEL_MODEL_FILE}"
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
@@ -471,10 +488,12 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
                "comparison": f"reports/{variant.name}.html"}
     if GENAI_MODEL_FILE in graph.files:
         summary["genai_model"] = f"variants/{variant.name}/{GENAI_MODEL_FILE}"
+    summary.update(kernel_summary)
     if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
         with log.spinner("measuring memory in a fresh process"):
-            summary["memory"] = measure_in_subprocess(folder / graph.files[0], graph.interface,
-                                                      recipe.export.max_context)
+            # Of the graph a CPU host runs: the kernels' where it has them (their packed weights added).
+            served = KERNEL_MODEL_FILE if kernel_summary else graph.files[0]
+            summary["memory"] = measure_in_subprocess(folder / served, graph.interface, recipe.export.max_context)
         memory = summary["memory"]
         log.note(f"memory: weights {memory['weights_bytes'] / 2**20:.0f} MiB resident, baseline "
                  f"{memory['baseline_bytes'] / 2**20:.0f} MiB, prefill activations "
@@ -485,6 +504,32 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if variant.target == "tensorrt":
         return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
     return {**entry, **summary, "status": "built"}
+
+
+def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any,
+                     log: StageLog) -> tuple[dict[str, Any], str]:
+    """The graph for Kiln's CPU kernels measured against eager as the variant's graph was, under the same
+    gates: its manifest keys where it passes, else nothing and why not. It is not held to fp32's
+    tolerance against the variant's graph (compiler/optimize.py, kernel_graph)."""
+    from runtime.cpu_kernels import library
+
+    path, why = library()
+    if path is None:
+        log.note(f"cpu kernels: not run on this machine ({why}); the variant ships without their graph")
+        return {}, f"not measured: the build machine cannot run them ({why})"
+    stem = f"{variant.name}-kernels"
+    with log.step("accuracy against eager, Kiln's CPU kernels"):
+        backend = OnnxRuntimeBackend(kernels.model_path, kernels.interface, kernels=path)
+        comparison = against_eager(backend, stem, "ONNX Runtime CPU with Kiln's kernels")
+        backend.close()
+    release_freed_memory()
+    metrics, failures = comparison["summary"], comparison["failed_gates"]
+    log.note(f"cpu kernels: perplexity {metrics['perplexity_change']:+.2%}, top-1 "
+             f"{metrics['top1_agreement']:.3f}, greedy match {metrics['greedy_match']:.2f}"
+             + (f"; FAILED {', '.join(failures)}: the variant ships without their graph" if failures else ""))
+    if failures:
+        return {}, f"failed {', '.join(failures)} against eager"
+    return {"kernel_accuracy": metrics, "kernel_comparison": f"reports/{stem}.html"}, ""
 
 
 def _note_layerwise(records: list[dict[str, Any]], log: StageLog) -> None:

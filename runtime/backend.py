@@ -77,11 +77,18 @@ class Limits:
 
 def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
                  threads: int | None = None, verified: bool = True) -> Any:
-    """The backend a variant's manifest entry calls for: its TensorRT engine, or its ONNX graph."""
+    """The backend a variant's manifest entry calls for: its TensorRT engine, its graph for Kiln's CPU
+    kernels where this host runs them (runtime/cpu_kernels.py), or its ONNX graph."""
     if "engine" in entry:
         from .tensorrt_backend import TensorRTBackend
 
         return TensorRTBackend(folder, entry, verified)
+    if "kernel_model" in entry and (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
+        from . import cpu_kernels
+
+        library, _ = cpu_kernels.library()
+        if library is not None:
+            return OnnxRuntimeBackend(folder / entry["kernel_model"], entry["interface"], providers, threads, library)
     return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
 
 
@@ -124,7 +131,8 @@ class KvCache(list):
 
 class OnnxRuntimeBackend:
     def __init__(self, model_path: Path, interface: dict[str, Any], providers: list[str] | None = None,
-                 threads: int | None = None) -> None:
+                 threads: int | None = None, kernels: Path | None = None) -> None:
+        """`kernels`: Kiln's CPU kernel library, for a graph with its ops (runtime/cpu_kernels.py)."""
         import onnxruntime as ort
 
         providers = providers or ["CPUExecutionProvider"]
@@ -141,6 +149,9 @@ class OnnxRuntimeBackend:
         options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
         options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
         options.log_severity_level = 3  # warnings about pruned initializers are noise to a user
+        if kernels is not None:
+            options.register_custom_ops_library(str(kernels))
+        self.kernels = kernels
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         layers = interface["layers"]
         self.past_names = kv_order(expand(interface["inputs"][3:], layers))

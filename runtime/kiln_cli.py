@@ -323,6 +323,14 @@ def _describe_variant(artifact, entry: dict) -> str:
     if accuracy:
         lines.append(f"  accuracy   top-1 {accuracy['top1_agreement']:.3f}, perplexity "
                      f"{accuracy['perplexity_change']:+.2%}, greedy match {accuracy['greedy_match']:.2f} vs eager")
+    if "kernel_model" in entry:
+        from .cpu_kernels import library
+
+        kernels, why = library()
+        measured = entry["kernel_accuracy"]
+        lines.append(f"  kernels    {artifact.folder / entry['kernel_model']}: top-1 {measured['top1_agreement']:.3f}, "
+                     f"perplexity {measured['perplexity_change']:+.2%} vs eager; "
+                     + ("this host runs it" if kernels else f"this host runs the graph above ({why})"))
     fused = ", ".join(f"{k} {v}" for k, v in (entry.get("fusions") or {}).items() if v) or "none"
     lines.append(f"  fusions    {fused}")
     lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"

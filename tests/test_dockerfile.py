@@ -41,7 +41,7 @@ def test_runtime_image_has_no_torch():
     assert set(stages) == {"build", "runtime"}
     runtime = "\n".join(stages["runtime"])
     copied = re.findall(r"^COPY\s+(.+?)\s+\S+$", runtime, re.M)
-    assert copied == ["pyproject.toml README.md", "runtime/"], copied  # no compiler/, no recipes
+    assert copied == ["pyproject.toml setup.py README.md", "runtime/"], copied  # no compiler/, no recipes
     extras = re.search(r'pip install "\.\[([a-z,]+)\]"', runtime).group(1).split(",")
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     requirements = project["dependencies"] + [r for e in extras for r in project["optional-dependencies"][e]]

@@ -166,6 +166,51 @@ def test_every_variant_is_measured_and_generates(quantized):
         assert result[0].generated_tokens >= 1 and result[0].error is None
 
 
+def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantized, monkeypatch):
+    """Beside model.onnx, the same graph with each 8-bit MatMulNBits in blocks of 32 as Kiln's kernel,
+    over the same weights file, measured against eager under the variant's gates; the runtime runs it
+    where the kernels run (runtime/cpu_kernels.py) and model.onnx elsewhere."""
+    from runtime import cpu_kernels
+
+    manifest = json.loads((quantized / "manifest.json").read_text())
+    entry = manifest["variants"]["cpu-int8"]
+    report = json.loads((quantized / entry["report"]).read_text())["cpu_kernels"]
+    eligible = [n for n in onnx.load(str(quantized / entry["model"]), load_external_data=False).graph.node
+                if n.op_type == "MatMulNBits"]
+    assert report["nodes"] == len(eligible) > 0
+    library, why = cpu_kernels.library()
+    if library is None:
+        assert "kernel_model" not in entry and report["why_not"].endswith(f"({why})")
+        return
+    assert entry["kernel_model"] == "variants/cpu-int8/model_kernels.onnx" and entry["kernel_model"] in entry["files"]
+    assert entry["kernel_accuracy"]["top1_agreement"] >= entry["gates"].get("top1_agreement", 0)
+    assert (quantized / entry["kernel_comparison"]).is_file()
+    kernel_graph = onnx.load(str(quantized / entry["kernel_model"]), load_external_data=False)
+    ops = [(n.domain, n.op_type) for n in kernel_graph.graph.node]
+    assert ops.count((cpu_kernels.DOMAIN, cpu_kernels.INT8_BLOCKS_OP)) == len(eligible)
+    assert ("com.microsoft", "MatMulNBits") not in ops
+    packed = {n.input[1] for n in kernel_graph.graph.node if n.domain == cpu_kernels.DOMAIN}
+    locations = {i.name: d.value for i in kernel_graph.graph.initializer for d in i.external_data if d.key == "location"}
+    # The packed weights in a file of their own, every other weight read from model.onnx's file
+    assert {locations[name] for name in packed} == {cpu_kernels.KERNEL_DATA_FILE}
+    assert {where for name, where in locations.items() if name not in packed} == {"model.onnx.data"}
+    assert f"variants/cpu-int8/{cpu_kernels.KERNEL_DATA_FILE}" in entry["files"]
+
+    assert Generator.load(quantized, "cpu-int8").backend.kernels == library
+    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert Generator.load(quantized, "cpu-int8").backend.kernels is None
+    finally:
+        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
+        cpu_kernels.library.cache_clear()
+
+    mixed = manifest["variants"]["cpu-int8-mixed"]  # blocks of 64 and 16: nothing for the kernel
+    assert "kernel_model" not in mixed
+    assert json.loads((quantized / mixed["report"]).read_text())["cpu_kernels"] == {
+        "nodes": 0, "why_not": "no 8-bit MatMulNBits in blocks of 32 with int8 activations in the graph"}
+
+
 def test_missed_gate_fails_the_compile_with_its_numbers(tiny_checkpoints, tmp_path):
     variants = "  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4, block_size: 256}}\n"
     recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], variants=variants,
@@ -382,14 +427,25 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
             assert error(rounded.model.model, i) > 5 * error(model, i)
 
 
-@pytest.mark.parametrize("variant", ["cpu-int8", "cpu-int4", "cpu-int4-gptq"])
-def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant):
+@pytest.mark.parametrize("variant", ["cpu-int8", "cpu-int8 on MLAS", "cpu-int4", "cpu-int4-gptq"])
+def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant, monkeypatch):
     """int8 activation rounding turns a last-bit difference into another token, so a row's numbers
     must not depend on its neighbours: each row's logits batched equal its logits alone, bit for bit,
     and greedy tokens match. On a CPU with AVX2 but no AVX-512, the 4-bit kernel computes a lone row
     of blocks of 32 (cpu-int4-gptq) differently, and this holds only through the backend's spare row
-    (runtime/backend.py, lone rows)."""
-    generator = Generator.load(quantized, variant, threads=2)
+    (runtime/backend.py, lone rows). cpu-int8 runs on Kiln's CPU kernels where this machine has them,
+    and on MLAS's MatMulNBits with them turned off."""
+    from runtime import cpu_kernels
+
+    if variant.endswith(" on MLAS"):
+        variant = variant.removesuffix(" on MLAS")
+        monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        generator = Generator.load(quantized, variant, threads=2)
+    finally:
+        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
+        cpu_kernels.library.cache_clear()
     assert generator.backend.front_aligned
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(1, 300, int(rng.integers(3, 40)))] for _ in range(8)]

@@ -1,0 +1,76 @@
+"""Kiln's own CPU kernels, run by ONNX Runtime as custom ops (runtime/kernels/int8_blocks.c).
+
+A variant whose graph has 8-bit MatMulNBits nodes in blocks of 32 gets a second graph beside
+model.onnx, KERNEL_MODEL_FILE: the same graph with those nodes as ai.kiln::MatMulInt8Blocks over the
+same weights packed in the kernel's layout (KERNEL_DATA_FILE; every other weight read from
+model.onnx.data), so that AVX-512 VNNI instructions work on 16 output columns at once. It computes
+what MatMulNBits computes but sums in another order, and int8 activations carry a last-bit
+difference into other roundings a layer later, so the compiler measures it against eager under the
+variant's gates as it measures model.onnx, and ships it only where it passes; the manifest names it
+as the variant's `kernel_model`. A CPU host runs it where the library was built at
+install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI; anywhere else,
+or with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which every ONNX Runtime opens.
+
+Measured on SmolLM2-135M's int8 weights (2 threads, AMD EPYC with AVX-512 VNNI, bench/int8_kernel.py):
+level with MLAS's MatMulNBits for one row, where both read the weights at the memory's rate, and
+faster from 32 rows up, where MLAS's kernel is bound by its per-block work.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from importlib.machinery import EXTENSION_SUFFIXES
+from pathlib import Path
+
+import numpy as np
+
+KERNEL_MODEL_FILE = "model_kernels.onnx"
+KERNEL_DATA_FILE = "model_kernels.onnx.data"
+DOMAIN = "ai.kiln"
+INT8_BLOCKS_OP = "MatMulInt8Blocks"
+DISABLE_VARIABLE = "KILN_CPU_KERNELS"
+
+
+@functools.cache
+def library() -> tuple[Path | None, str]:
+    """The kernel library and "" where this host can run it; else None and why not, in a few words."""
+    if os.environ.get(DISABLE_VARIABLE, "1") == "0":
+        return None, f"{DISABLE_VARIABLE}=0"
+    here = Path(__file__).resolve().parent
+    path = next((here / f"_cpu_kernels{suffix}" for suffix in EXTENSION_SUFFIXES
+                 if (here / f"_cpu_kernels{suffix}").is_file()), None)
+    if path is None:
+        return None, "not built (no C compiler when Kiln was installed, or not an x86-64 CPU)"
+    try:
+        loaded = ctypes.CDLL(str(path))
+    except OSError as error:
+        return None, f"{path.name} could not be loaded: {error}"
+    if not loaded.kiln_int8_blocks_supported():
+        return None, "this CPU has no AVX-512 VNNI"
+    return path, ""
+
+
+
+def pack_int8_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> np.ndarray:
+    """MatMulNBits' 8-bit weights (codes [N, K/32, 32], scales and zero points [N * K/32]; zero points
+    128 where absent) in MatMulInt8Blocks' layout (int8_blocks.c): for each tile of 16 columns and
+    block of 32 rows, the codes as 8 groups of 4 rows x 16 columns x 4 bytes, then the 16 scales
+    (fp32) and the 16 zero points. Columns past N, to a whole tile, get scale 0."""
+    n, blocks, size = codes.shape
+    if size != 32:
+        raise ValueError(f"codes in blocks of {size}; the kernel takes blocks of 32")
+    tiles = -(-n // 16)
+    zero_points = np.full(n * blocks, 128, np.uint8) if zero_points is None else zero_points
+    padded = np.zeros((tiles * 16, blocks, 32), np.uint8)
+    padded[:n] = codes
+    scale = np.zeros((tiles * 16, blocks), np.float32)
+    scale[:n] = scales.reshape(n, blocks)
+    zero = np.zeros((tiles * 16, blocks), np.uint8)
+    zero[:n] = zero_points.reshape(n, -1)[:, :blocks]
+    return np.concatenate([
+        padded.reshape(tiles, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 512),
+        scale.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8),
+        zero.reshape(tiles, 16, blocks).transpose(0, 2, 1),
+    ], axis=2).reshape(-1)

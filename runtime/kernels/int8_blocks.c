@@ -1,0 +1,415 @@
+/* Kiln's CPU kernel for 8-bit weight blocks times int8 activation blocks, as an ONNX Runtime custom op.
+
+   ai.kiln::MatMulInt8Blocks(A, W) with attributes K and N computes what com.microsoft::MatMulNBits
+   computes with bits 8, block_size 32 and accuracy_level 4 over the same weights: each row's
+   activations are quantized per block of 32 to int8 with a scale of max|x| / 127, each block's integer
+   dot product (less the zero point's term, in int32) is scaled by the product of the two scales, and
+   the blocks are summed in fp32 in order. A is fp32 [..., K]; W is the weights in this kernel's layout
+   (runtime/cpu_kernels.py, pack_int8_blocks, run by the compiler): 16 output columns side by side, so
+   one AVX-512 VNNI instruction multiplies four activations into sixteen columns and no sum ever runs
+   across a vector. Per tile of 16 columns and block of 32 rows: 512 bytes of codes (for each group of
+   4 rows, 16 columns of 4 bytes), the 16 scales (fp32) and the 16 zero points (uint8), 592 bytes, as
+   many as MatMulNBits stores; tiles one after another, each tile's blocks in order.
+
+   Each row is computed by the same instructions in the same order whatever the batch, the thread
+   count or the CPU, so a sequence's logits do not depend on what else is in the batch or on the host.
+
+   The ONNX Runtime C API is declared below by hand (only what this file calls): the function table is
+   append-only across versions, so its indices hold for every release that has the functions used
+   (API version 16, ONNX Runtime 1.16, and later). runtime/cpu_kernels.py loads this library, checks
+   the CPU first (kiln_int8_blocks_supported) and registers it with the session. */
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define BLOCK 32
+#define TILE 16                                    /* output columns per vector */
+#define TILE_BLOCK_BYTES (BLOCK * TILE + TILE * 4 + TILE)  /* codes, scales, zero points: 592 */
+#define TILES_PER_ITEM 4                           /* one work item: 64 columns */
+#define ROWS_PER_CHUNK 64                          /* rows whose activations stay in L1/L2 together */
+
+/* -- the kernel ------------------------------------------------------------------------------------ */
+
+typedef struct {
+    int64_t k, n, blocks, tiles;
+    const uint8_t* packed; /* [tiles][blocks][TILE_BLOCK_BYTES] */
+} Weights;
+
+/* One row's activations: int8 codes, and per block the scale and the codes' sum (for the zero points'
+   term: sum((q - z) * a) = sum(q * a) - z * sum(a), exact in int32). */
+static void quantize_row(int64_t k, const float* x, int8_t* codes, float* scale, int32_t* code_sum) {
+    for (int64_t b = 0; b < k / BLOCK; b++) {
+        __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
+        float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+        __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));
+        __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
+        _mm_storeu_si128((__m128i*)(codes + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
+        _mm_storeu_si128((__m128i*)(codes + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
+        scale[b] = amax / 127.0f;
+        code_sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    }
+}
+
+/* One block of one row into one tile's accumulator: 8 VNNI products in two chains, the zero points'
+   term in int32, then one fp32 multiply-add by the product of the two scales. */
+static inline __m512 block_into(__m512 acc, const uint8_t* tile_block, const int32_t* codes, float scale,
+                                int32_t code_sum) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int j = 0; j < BLOCK / 4; j += 2) {
+        even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(tile_block + j * 64), _mm512_set1_epi32(codes[j]));
+        odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(tile_block + j * 64 + 64), _mm512_set1_epi32(codes[j + 1]));
+    }
+    __m512i zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
+    __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_mullo_epi32(zero, _mm512_set1_epi32(code_sum)));
+    __m512 scales = _mm512_mul_ps(_mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE)), _mm512_set1_ps(scale));
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+}
+
+static inline void store_tile(float* y, int64_t n, int64_t tile, __m512 acc) {
+    int64_t left = n - tile * TILE;
+    if (left >= TILE) _mm512_storeu_ps(y + tile * TILE, acc);
+    else _mm512_mask_storeu_ps(y + tile * TILE, (__mmask16)((1u << left) - 1), acc);
+}
+
+typedef struct {
+    const Weights* w;
+    int64_t rows, items_per_chunk, chunks, shards;
+    const int8_t* codes;       /* [rows][k] */
+    const float* scale;        /* [rows][blocks] */
+    const int32_t* code_sum;   /* [rows][blocks] */
+    float* y;                  /* [rows][n] */
+} Job;
+
+/* Tiles [t0, t1) for rows [r0, r1). Up to 8 rows share each block's weights, loaded once; a lone row
+   runs four tiles side by side instead, four independent chains of loads and products. Both paths do
+   the same arithmetic per row. */
+static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64_t r1) {
+    const Weights* w = job->w;
+    size_t tile_bytes = (size_t)w->blocks * TILE_BLOCK_BYTES;
+    if (r1 - r0 == 1) {
+        const int32_t* codes = (const int32_t*)(job->codes + r0 * w->k);
+        const float* scale = job->scale + r0 * w->blocks;
+        const int32_t* code_sum = job->code_sum + r0 * w->blocks;
+        float* y = job->y + r0 * w->n;
+        int64_t t = t0;
+        for (; t + 4 <= t1; t += 4) {
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+            const uint8_t* base = w->packed + t * tile_bytes;
+            for (int64_t b = 0; b < w->blocks; b++) {
+                const uint8_t* p = base + b * TILE_BLOCK_BYTES;
+                a0 = block_into(a0, p, codes + b * 8, scale[b], code_sum[b]);
+                a1 = block_into(a1, p + tile_bytes, codes + b * 8, scale[b], code_sum[b]);
+                a2 = block_into(a2, p + 2 * tile_bytes, codes + b * 8, scale[b], code_sum[b]);
+                a3 = block_into(a3, p + 3 * tile_bytes, codes + b * 8, scale[b], code_sum[b]);
+            }
+            store_tile(y, w->n, t, a0); store_tile(y, w->n, t + 1, a1);
+            store_tile(y, w->n, t + 2, a2); store_tile(y, w->n, t + 3, a3);
+        }
+        for (; t < t1; t++) {
+            __m512 acc = _mm512_setzero_ps();
+            const uint8_t* base = w->packed + t * tile_bytes;
+            for (int64_t b = 0; b < w->blocks; b++)
+                acc = block_into(acc, base + b * TILE_BLOCK_BYTES, codes + b * 8, scale[b], code_sum[b]);
+            store_tile(y, w->n, t, acc);
+        }
+        return;
+    }
+    for (int64_t t = t0; t < t1; t++) {
+        for (int64_t m = r0; m < r1; m += 8) {
+            int64_t rows = r1 - m < 8 ? r1 - m : 8;
+            __m512 acc[8];
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+            const uint8_t* base = w->packed + t * tile_bytes;
+            for (int64_t b = 0; b < w->blocks; b++) {
+                const uint8_t* p = base + b * TILE_BLOCK_BYTES;
+                for (int r = 0; r < rows; r++) {
+                    int64_t row = m + r;
+                    acc[r] = block_into(acc[r], p, (const int32_t*)(job->codes + row * w->k) + b * 8,
+                                        job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
+                }
+            }
+            for (int r = 0; r < rows; r++) store_tile(job->y + (m + r) * w->n, w->n, t, acc[r]);
+        }
+    }
+}
+
+/* Work item i of `items` = (row chunk, group of TILES_PER_ITEM tiles), chunk-major so that a thread's
+   consecutive items reuse one chunk's activations. A shard is a contiguous run of items. */
+static void run_shard(void* data, size_t shard) {
+    const Job* job = data;
+    int64_t items = job->chunks * job->items_per_chunk;
+    int64_t first = items * (int64_t)shard / job->shards, last = items * ((int64_t)shard + 1) / job->shards;
+    for (int64_t i = first; i < last; i++) {
+        int64_t chunk = i / job->items_per_chunk, group = i % job->items_per_chunk;
+        int64_t t0 = group * TILES_PER_ITEM, t1 = t0 + TILES_PER_ITEM;
+        if (t1 > job->w->tiles) t1 = job->w->tiles;
+        int64_t r0 = chunk * ROWS_PER_CHUNK, r1 = r0 + ROWS_PER_CHUNK;
+        if (r1 > job->rows) r1 = job->rows;
+        tiles_rows(job, t0, t1, r0, r1);
+    }
+}
+
+typedef struct {
+    const Job* job;
+    const float* x;
+    int8_t* codes;
+    float* scale;
+    int32_t* code_sum;
+    int64_t shards;
+} QuantizeJob;
+
+static void quantize_shard(void* data, size_t shard) {
+    const QuantizeJob* q = data;
+    const Weights* w = q->job->w;
+    int64_t first = q->job->rows * (int64_t)shard / q->shards, last = q->job->rows * ((int64_t)shard + 1) / q->shards;
+    for (int64_t r = first; r < last; r++)
+        quantize_row(w->k, q->x + r * w->k, q->codes + r * w->k, q->scale + r * w->blocks, q->code_sum + r * w->blocks);
+}
+
+typedef void (*ParallelFor)(void* context, void (*fn)(void*, size_t), size_t total, void* data);
+
+/* y[rows, n] = x[rows, k] @ W; `parallel` runs fn over [0, total) on the session's threads (or inline). */
+static int matmul(const Weights* w, const float* x, float* y, int64_t rows, ParallelFor parallel, void* context) {
+    int8_t* codes = malloc((size_t)rows * w->k);
+    float* scales = malloc(sizeof(float) * (size_t)rows * w->blocks);
+    int32_t* sums = malloc(sizeof(int32_t) * (size_t)rows * w->blocks);
+    if (!codes || !scales || !sums) { free(codes); free(scales); free(sums); return 0; }
+    Job job = {w, rows, (w->tiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK,
+               0, codes, scales, sums, y};
+    QuantizeJob quantize = {&job, x, codes, scales, sums, rows < 16 ? rows : 16};
+    if (rows >= 64) parallel(context, quantize_shard, (size_t)quantize.shards, &quantize);
+    else for (int64_t s = 0; s < quantize.shards; s++) quantize_shard(&quantize, (size_t)s);
+    int64_t items = job.chunks * job.items_per_chunk;
+    job.shards = items < 32 ? items : 32;  /* enough to balance any thread count up to 32 */
+    parallel(context, run_shard, (size_t)job.shards, &job);
+    free(codes); free(scales); free(sums);
+    return 1;
+}
+
+/* -- what the runtime asks before registering the library (ctypes) ---------------------------------- */
+
+int kiln_int8_blocks_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* -- ONNX Runtime's C API, the parts used here ----------------------------------------------------- */
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtApi OrtApi;  /* a table of function pointers, indexed below */
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtShapeInfo OrtShapeInfo;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+
+typedef struct {
+    const OrtApi* (*GetApi)(uint32_t version);
+    const char* (*GetVersionString)(void);
+} OrtApiBase;
+
+/* Positions in the OrtApi table (append-only since 1.0; the last one used came with API version 16). */
+enum {
+    API_CreateStatus = 0,
+    API_CreateCustomOpDomain = 26,
+    API_CustomOpDomain_Add = 27,
+    API_AddCustomOpDomain = 28,
+    API_GetTensorMutableData = 51,
+    API_GetDimensionsCount = 61,
+    API_GetDimensions = 62,
+    API_GetTensorShapeElementCount = 64,
+    API_GetTensorTypeAndShape = 65,
+    API_KernelInfoGetAttribute_int64 = 86,
+    API_KernelContext_GetInput = 90,
+    API_KernelContext_GetOutput = 91,
+    API_ReleaseStatus = 93,
+    API_ReleaseTensorTypeAndShapeInfo = 99,
+    API_KernelInfoGetConstantInput_tensor = 249,
+    API_KernelContext_ParallelFor = 274,
+};
+#define API_VERSION 16
+#define ORT_FAIL 1
+#define ORT_INVALID_ARGUMENT 2
+#define TYPE_FLOAT 1
+#define TYPE_UINT8 2
+#define REQUIRED 0
+
+static const OrtApi* api;
+#define CALL(index, type) ((type)(((void* const*)api)[index]))
+
+static OrtStatus* error(int code, const char* message) {
+    return CALL(API_CreateStatus, OrtStatus* (*)(int, const char*))(code, message);
+}
+
+typedef struct OrtCustomOp {
+    uint32_t version;
+    void* (*CreateKernel)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
+    const char* (*GetName)(const struct OrtCustomOp*);
+    const char* (*GetExecutionProviderType)(const struct OrtCustomOp*);
+    int (*GetInputType)(const struct OrtCustomOp*, size_t);
+    size_t (*GetInputTypeCount)(const struct OrtCustomOp*);
+    int (*GetOutputType)(const struct OrtCustomOp*, size_t);
+    size_t (*GetOutputTypeCount)(const struct OrtCustomOp*);
+    void (*KernelCompute)(void*, OrtKernelContext*);
+    void (*KernelDestroy)(void*);
+    int (*GetInputCharacteristic)(const struct OrtCustomOp*, size_t);
+    int (*GetOutputCharacteristic)(const struct OrtCustomOp*, size_t);
+    int (*GetInputMemoryType)(const struct OrtCustomOp*, size_t);
+    int (*GetVariadicInputMinArity)(const struct OrtCustomOp*);
+    int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp*);
+    int (*GetVariadicOutputMinArity)(const struct OrtCustomOp*);
+    int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
+    OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+    OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+    /* later fields (shape inference, version ranges, in-place maps) are not read at version 16 */
+} OrtCustomOp;
+
+/* -- the op ---------------------------------------------------------------------------------------- */
+
+typedef struct {
+    Weights weights;
+} Kernel;
+
+static OrtStatus* constant_input(const OrtKernelInfo* info, size_t index, const OrtValue** value) {
+    int is_constant = 0;
+    *value = NULL;
+    OrtStatus* status = CALL(API_KernelInfoGetConstantInput_tensor,
+                             OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**))(info, index, &is_constant, value);
+    if (status) return status;
+    if (!is_constant || !*value)
+        return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: W must be an initializer");
+    return NULL;
+}
+
+static void* data_of(const OrtValue* value) {
+    void* data = NULL;
+    OrtStatus* status = CALL(API_GetTensorMutableData, OrtStatus* (*)(const OrtValue*, void**))(value, &data);
+    if (status) { CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status); return NULL; }
+    return data;
+}
+
+static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
+    (void)op; (void)api_;
+    OrtStatus* status;
+    int64_t k = 0, n = 0;
+    if ((status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "K", &k)) ||
+        (status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "N", &n)))
+        return status;
+    if (k <= 0 || n <= 0 || k % BLOCK) return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: K must be a positive multiple of 32");
+    const OrtValue* packed;
+    if ((status = constant_input(info, 1, &packed))) return status;
+    OrtShapeInfo* shape = NULL;
+    size_t size = 0;
+    if ((status = CALL(API_GetTensorTypeAndShape, OrtStatus* (*)(const OrtValue*, OrtShapeInfo**))(packed, &shape))) return status;
+    status = CALL(API_GetTensorShapeElementCount, OrtStatus* (*)(const OrtShapeInfo*, size_t*))(shape, &size);
+    CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
+    if (status) return status;
+    Kernel* kernel = calloc(1, sizeof(Kernel));
+    if (!kernel) return error(ORT_FAIL, "ai.kiln::MatMulInt8Blocks: out of memory");
+    kernel->weights = (Weights){k, n, k / BLOCK, (n + TILE - 1) / TILE, data_of(packed)};
+    if (!kernel->weights.packed || size != (size_t)(kernel->weights.tiles * kernel->weights.blocks * TILE_BLOCK_BYTES)) {
+        free(kernel);
+        return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: W is not K x N weights in this kernel's layout "
+                                           "(runtime/cpu_kernels.py, pack_int8_blocks)");
+    }
+    *out = kernel;
+    return NULL;
+}
+
+static void destroy_kernel(void* data) { free(data); }  /* the weights belong to the session */
+
+static void ort_parallel(void* context, void (*fn)(void*, size_t), size_t total, void* data) {
+    OrtStatus* status = CALL(API_KernelContext_ParallelFor,
+                             OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*))(context, fn, total, 0, data);
+    if (status) {  /* no thread pool to run on: run here */
+        CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status);
+        for (size_t i = 0; i < total; i++) fn(data, i);
+    }
+}
+
+static OrtStatus* compute(void* data, OrtKernelContext* context) {
+    const Kernel* kernel = data;
+    const OrtValue* input = NULL;
+    OrtValue* output = NULL;
+    OrtShapeInfo* shape = NULL;
+    OrtStatus* status;
+    if ((status = CALL(API_KernelContext_GetInput, OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**))(context, 0, &input)))
+        return status;
+    if ((status = CALL(API_GetTensorTypeAndShape, OrtStatus* (*)(const OrtValue*, OrtShapeInfo**))(input, &shape))) return status;
+    size_t rank = 0;
+    int64_t dims[8];
+    status = CALL(API_GetDimensionsCount, OrtStatus* (*)(const OrtShapeInfo*, size_t*))(shape, &rank);
+    if (!status && (rank < 1 || rank > 8)) status = error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: A must have rank 1 to 8");
+    if (!status) status = CALL(API_GetDimensions, OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t))(shape, dims, rank);
+    CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
+    if (status) return status;
+    if (dims[rank - 1] != kernel->weights.k) return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: A's last dimension is not K");
+    int64_t rows = 1;
+    for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
+    dims[rank - 1] = kernel->weights.n;
+    if ((status = CALL(API_KernelContext_GetOutput, OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**))(
+             context, 0, dims, rank, &output)))
+        return status;
+    if (rows == 0) return NULL;
+    const float* x = data_of(input);
+    float* y = data_of(output);
+    if (!x || !y) return error(ORT_FAIL, "ai.kiln::MatMulInt8Blocks: no tensor data");
+    if (!matmul(&kernel->weights, x, y, rows, ort_parallel, context))
+        return error(ORT_FAIL, "ai.kiln::MatMulInt8Blocks: out of memory");
+    return NULL;
+}
+
+static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulInt8Blocks"; }
+static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
+static size_t input_count(const OrtCustomOp* op) { (void)op; return 2; }
+static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
+static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+
+static OrtCustomOp int8_blocks_op = {
+    .version = API_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = input_characteristic,
+    .GetOutputCharacteristic = output_characteristic,
+    .GetInputMemoryType = input_memory,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+static OrtCustomOpDomain* domain;
+
+/* What SessionOptions.register_custom_ops_library calls. One domain serves every session. */
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+    if (!api) api = base->GetApi(API_VERSION);
+    if (!api) {  /* older than 1.16: say so with the table it has (CreateStatus is its first entry too) */
+        api = base->GetApi(1);
+        OrtStatus* status = error(ORT_FAIL, "Kiln's CPU kernels need ONNX Runtime 1.16 or later");
+        api = NULL;
+        return status;
+    }
+    if (!kiln_int8_blocks_supported())
+        return error(ORT_FAIL, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
+    OrtStatus* status;
+    if (!domain) {
+        if ((status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &domain)))
+            return status;
+        if ((status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(domain, &int8_blocks_op)))
+            return status;
+    }
+    return CALL(API_AddCustomOpDomain, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*))(options, domain);
+}

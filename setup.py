@@ -1,0 +1,15 @@
+"""Kiln's CPU kernels (runtime/kernels/*.c), built into a shared library that ONNX Runtime loads as a
+custom-op library (runtime/cpu_kernels.py). Everything else about the package is in pyproject.toml.
+
+The build is optional: a host without a C compiler, or with a CPU other than x86-64, installs Kiln
+without it, and the runtime runs each variant's standard graph (model.onnx) instead."""
+
+import platform
+
+from setuptools import Extension, setup
+
+X86 = platform.machine().lower() in ("x86_64", "amd64")
+FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
+
+setup(ext_modules=[Extension("runtime._cpu_kernels", ["runtime/kernels/int8_blocks.c"], extra_compile_args=FLAGS,
+                             optional=True)] if X86 else [])

@@ -1,0 +1,90 @@
+"""Kiln's CPU kernel (runtime/kernels/int8_blocks.c) in a real ONNX Runtime session, against MLAS's
+MatMulNBits on the same weights; skipped where this machine cannot run it."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from runtime import cpu_kernels
+
+LIBRARY, WHY_NOT = cpu_kernels.library()
+needs_kernels = pytest.mark.skipif(LIBRARY is None, reason=f"Kiln's CPU kernels: {WHY_NOT}")
+
+
+def session(op: str, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> ort.InferenceSession:
+    """One MatMulNBits over these weights, or one MatMulInt8Blocks over them packed for it."""
+    n, blocks, _ = codes.shape
+    k = blocks * 32
+    if op == "MatMulNBits":
+        inputs = ["A", "B", "S"] + (["Z"] if zero_points is not None else [])
+        node = helper.make_node(op, inputs, ["Y"], domain="com.microsoft", K=k, N=n, bits=8, block_size=32,
+                                accuracy_level=4)
+        weights = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "S")]
+        if zero_points is not None:
+            weights.append(numpy_helper.from_array(zero_points, "Z"))
+    else:
+        node = helper.make_node(cpu_kernels.INT8_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
+        weights = [numpy_helper.from_array(cpu_kernels.pack_int8_blocks(codes, scales, zero_points), "W")]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", n])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if op != "MatMulNBits":
+        options.register_custom_ops_library(str(LIBRARY))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, n", [(64, 40), (576, 960), (1536, 70)])  # 40 and 70: a part-filled tile of 16
+@pytest.mark.parametrize("with_zero_points", [True, False])
+def test_the_kernel_computes_what_matmulnbits_does_and_each_row_alone_the_same(k, n, with_zero_points):
+    rng = np.random.default_rng(k + n)
+    codes = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random(n * (k // 32)) * 0.01 + 0.001).astype(np.float32)
+    zero_points = rng.integers(100, 156, n * (k // 32), dtype=np.uint8) if with_zero_points else None
+    mlas = session("MatMulNBits", codes, scales, zero_points)
+    kiln = session("kiln", codes, scales, zero_points)
+    for rows in (1, 3, 9, 70, 130):  # one row; the 8-row groups; the 64-row chunks
+        x = rng.standard_normal((1, rows, k)).astype(np.float32)
+        x[0, 0, :32] = 0  # an all-zero block: scale 0, not a division by it
+        expected, got = mlas.run(None, {"A": x})[0], kiln.run(None, {"A": x})[0]
+        assert got.shape == expected.shape == (1, rows, n)
+        # The same int8 codes on both sides, so only the order of the fp32 sums differs (one activation
+        # code apart would show as about 1e-3).
+        assert np.abs(got - expected).max() <= 2e-6 * np.abs(expected).max()
+        alone = np.concatenate([kiln.run(None, {"A": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
+        assert np.array_equal(alone, got)
+
+
+@needs_kernels
+@pytest.mark.parametrize("fed", ["at run time", "of the wrong size"])
+def test_weights_not_packed_in_the_graph_are_refused_in_one_line(fed):
+    node = helper.make_node(cpu_kernels.INT8_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=32, N=16)
+    inputs = [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 32])]
+    weights = [numpy_helper.from_array(np.zeros(591, np.uint8), "W")]  # one tile, one block: 592 bytes
+    if fed == "at run time":
+        inputs.append(helper.make_tensor_value_info("W", TensorProto.UINT8, [592]))
+        weights = []
+    graph = helper.make_graph([node], "g", inputs, [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [1, 16])],
+                              weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(LIBRARY))
+    expected = "W must be an initializer" if fed == "at run time" else "W is not K x N weights in this kernel's layout"
+    with pytest.raises(Exception, match=expected):
+        ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
+    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        assert cpu_kernels.library() == (None, "KILN_CPU_KERNELS=0")
+    finally:
+        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
+        cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() == (LIBRARY, WHY_NOT)
