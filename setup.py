@@ -9,7 +9,7 @@ import platform
 from setuptools import Extension, setup
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx512vnni", "-mfma"]
+FLAGS = ["-O3", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]
 
 setup(ext_modules=[Extension("runtime._cpu_kernels", ["runtime/kernels/int8_blocks.c"], extra_compile_args=FLAGS,
-                             optional=True)] if X86 else [])
+                             extra_link_args=["-pthread"], optional=True)] if X86 else [])

@@ -162,6 +162,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     from runtime.cpu_kernels import DOMAIN, INT8_BLOCKS_OP, KERNEL_DATA_FILE, pack_int8_blocks
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
+    initializers = {i.name: i for i in proto.graph.initializer}
     eligible = []
     for node in proto.graph.node:
         if (node.domain, node.op_type) != ("com.microsoft", "MatMulNBits"):
@@ -169,6 +170,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
         attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
         if (attributes.get("bits") == 8 and attributes.get("block_size") == 32
                 and attributes.get("accuracy_level") == 4 and attributes["K"] % 32 == 0
+                and all(name in initializers for name in node.input[1:4] if name)
                 and not any(node.input[4:])):  # no g_idx, no bias
             eligible.append((node, attributes["K"], attributes["N"]))
     if not eligible:
@@ -177,31 +179,43 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     for name in graph.files[1:]:
         if name.endswith(".data"):
             link_or_copy(graph.folder / name, folder / name)
-    initializers = {i.name: i for i in proto.graph.initializer}
+    replaced = set()
     with open(folder / KERNEL_DATA_FILE, "wb") as data:
         for number, (node, k, n) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
                        for name in [*node.input[1:4], ""][:3]]
             packed = pack_int8_blocks(*weights)
             data.write(b"\0" * (-data.tell() % 4096))  # page-aligned: ONNX Runtime can map it in place
-            tensor = onnx.TensorProto(name=f"{node.name or number}.int8_blocks", data_type=onnx.TensorProto.UINT8,
+            tensor = onnx.TensorProto(name=f"int8_blocks.{number}.{node.name}", data_type=onnx.TensorProto.UINT8,
                                       dims=[packed.size], data_location=onnx.TensorProto.EXTERNAL)
             for key, value in (("location", KERNEL_DATA_FILE), ("offset", data.tell()), ("length", packed.size)):
                 tensor.external_data.add(key=key, value=str(value))
             data.write(packed.tobytes())
             proto.graph.initializer.append(tensor)
+            replaced.update(name for name in node.input[1:4] if name)
             node.domain, node.op_type = DOMAIN, INT8_BLOCKS_OP
             node.input[:] = [node.input[0], tensor.name]
             del node.attribute[:]
             node.attribute.extend([onnx.helper.make_attribute("K", k), onnx.helper.make_attribute("N", n)])
-    used = {name for node in proto.graph.node for name in node.input}
-    kept = [i for i in proto.graph.initializer if i.name in used]
+    used = _names_read(proto.graph) | {output.name for output in proto.graph.output}
+    kept = [i for i in proto.graph.initializer if i.name in used or i.name not in replaced]
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     onnx.save(proto, str(folder / MODEL_FILE))
     built = saved_graph(folder, graph.interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, KERNEL_DATA_FILE]), len(eligible)
+
+
+def _names_read(graph: Any) -> set[str]:
+    """Every value name a node of `graph` or of any subgraph in it reads."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attribute in node.attribute:
+            for subgraph in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
+                names |= _names_read(subgraph)
+    return names
 
 
 def _initializer_array(tensor: Any, folder: Path) -> np.ndarray:

@@ -434,8 +434,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             optimized["rules"][rotary_in_attention.NAME] = folded
             log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
                      f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
-    kernels, kernels_why = (kernel_graph(graph, work / "kernels") if variant.target == "onnxruntime"
-                            else (None, "not an onnxruntime variant"))
+    kernels, kernels_why = _kernel_graph(graph, work / "kernels") if variant.target == "onnxruntime" \
+        else (None, "not an onnxruntime variant")
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
 
@@ -465,7 +465,10 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     kernel_summary: dict[str, Any] = {}
     report["cpu_kernels"] = {"nodes": kernels_why if kernels is not None else 0}
     if kernels is not None:
-        kernel_summary, kernels_why = _kernel_accuracy(variant, kernels, against_eager, log)
+        if failures:
+            kernels_why = "not measured: the variant failed its gates"
+        else:
+            kernel_summary, kernels_why = _kernel_accuracy(variant, kernels, against_eager, log)
         if not kernel_summary:
             shutil.rmtree(kernels.folder)
     if not kernel_summary:
@@ -506,6 +509,15 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     return {**entry, **summary, "status": "built"}
 
 
+def _kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None, int | str]:
+    """kernel_graph, where a failure costs the variant only the kernels' graph (and is said why)."""
+    try:
+        return kernel_graph(graph, folder)
+    except Exception as error:  # noqa: BLE001 - an optional second graph: the variant ships without it
+        shutil.rmtree(folder, ignore_errors=True)
+        return None, f"the graph for them could not be written: {type(error).__name__}: {error}"
+
+
 def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any,
                      log: StageLog) -> tuple[dict[str, Any], str]:
     """The graph for Kiln's CPU kernels measured against eager as the variant's graph was, under the same
@@ -517,9 +529,13 @@ def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any
     if path is None:
         log.note(f"cpu kernels: not run on this machine ({why}); the variant ships without their graph")
         return {}, f"not measured: the build machine cannot run them ({why})"
-    stem = f"{variant.name}-kernels"
+    stem = f"{variant.name}+kernels"  # "+" is in no variant's name: no other report can be called this
     with log.step("accuracy against eager, Kiln's CPU kernels"):
-        backend = OnnxRuntimeBackend(kernels.model_path, kernels.interface, kernels=path)
+        try:
+            backend = OnnxRuntimeBackend(kernels.model_path, kernels.interface, kernels=path)
+        except Exception as error:  # noqa: BLE001 - ONNX Runtime refused the graph: the variant ships without it
+            log.note(f"cpu kernels: ONNX Runtime could not load their graph ({error}); the variant ships without it")
+            return {}, f"ONNX Runtime could not load the graph: {error}"
         comparison = against_eager(backend, stem, "ONNX Runtime CPU with Kiln's kernels")
         backend.close()
     release_freed_memory()

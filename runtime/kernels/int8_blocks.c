@@ -16,10 +16,13 @@
 
    The ONNX Runtime C API is declared below by hand (only what this file calls): the function table is
    append-only across versions, so its indices hold for every release that has the functions used
-   (API version 16, ONNX Runtime 1.16, and later). runtime/cpu_kernels.py loads this library, checks
+   (API version 17, ONNX Runtime 1.17, and later). runtime/cpu_kernels.py loads this library, checks
    the CPU first (kiln_int8_blocks_supported) and registers it with the session. */
 
+#include <float.h>
 #include <immintrin.h>
+#include <math.h>
+#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -44,24 +47,35 @@ static void quantize_row(int64_t k, const float* x, int8_t* codes, float* scale,
     for (int64_t b = 0; b < k / BLOCK; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
-        __m512 inverse = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+        if (_mm512_cmp_ps_mask(v0, v0, _CMP_UNORD_Q) | _mm512_cmp_ps_mask(v1, v1, _CMP_UNORD_Q)) amax = NAN;
+        /* a NaN or infinite block: codes 0 and a scale that carries it into the output, as fp32 would;
+           a block below the smallest normal float: all codes 0 */
+        __m512 inverse = _mm512_set1_ps(amax >= FLT_MIN && amax <= FLT_MAX ? 127.0f / amax : 0.0f);
         __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, inverse));
         __m512i q1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, inverse));
         _mm_storeu_si128((__m128i*)(codes + b * BLOCK), _mm512_cvtsepi32_epi8(q0));
         _mm_storeu_si128((__m128i*)(codes + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
-        scale[b] = amax / 127.0f;
+        scale[b] = amax >= FLT_MIN || amax != amax ? amax / 127.0f : 0.0f;
         code_sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     }
 }
 
 /* One block of one row into one tile's accumulator: 8 VNNI products in two chains, the zero points'
    term in int32, then one fp32 multiply-add by the product of the two scales. */
-static inline __m512 block_into(__m512 acc, const uint8_t* tile_block, const int32_t* codes, float scale,
+static inline int32_t four_codes(const int8_t* codes) {
+    int32_t word;
+    memcpy(&word, codes, 4);
+    return word;
+}
+
+static inline __m512 block_into(__m512 acc, const uint8_t* tile_block, const int8_t* codes, float scale,
                                 int32_t code_sum) {
     __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
     for (int j = 0; j < BLOCK / 4; j += 2) {
-        even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(tile_block + j * 64), _mm512_set1_epi32(codes[j]));
-        odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(tile_block + j * 64 + 64), _mm512_set1_epi32(codes[j + 1]));
+        even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(tile_block + j * 64),
+                                   _mm512_set1_epi32(four_codes(codes + 4 * j)));
+        odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(tile_block + j * 64 + 64),
+                                  _mm512_set1_epi32(four_codes(codes + 4 * j + 4)));
     }
     __m512i zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
     __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_mullo_epi32(zero, _mm512_set1_epi32(code_sum)));
@@ -91,7 +105,7 @@ static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64
     const Weights* w = job->w;
     size_t tile_bytes = (size_t)w->blocks * TILE_BLOCK_BYTES;
     if (r1 - r0 == 1) {
-        const int32_t* codes = (const int32_t*)(job->codes + r0 * w->k);
+        const int8_t* codes = job->codes + r0 * w->k;
         const float* scale = job->scale + r0 * w->blocks;
         const int32_t* code_sum = job->code_sum + r0 * w->blocks;
         float* y = job->y + r0 * w->n;
@@ -101,10 +115,10 @@ static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64
             const uint8_t* base = w->packed + t * tile_bytes;
             for (int64_t b = 0; b < w->blocks; b++) {
                 const uint8_t* p = base + b * TILE_BLOCK_BYTES;
-                a0 = block_into(a0, p, codes + b * 8, scale[b], code_sum[b]);
-                a1 = block_into(a1, p + tile_bytes, codes + b * 8, scale[b], code_sum[b]);
-                a2 = block_into(a2, p + 2 * tile_bytes, codes + b * 8, scale[b], code_sum[b]);
-                a3 = block_into(a3, p + 3 * tile_bytes, codes + b * 8, scale[b], code_sum[b]);
+                a0 = block_into(a0, p, codes + b * BLOCK, scale[b], code_sum[b]);
+                a1 = block_into(a1, p + tile_bytes, codes + b * BLOCK, scale[b], code_sum[b]);
+                a2 = block_into(a2, p + 2 * tile_bytes, codes + b * BLOCK, scale[b], code_sum[b]);
+                a3 = block_into(a3, p + 3 * tile_bytes, codes + b * BLOCK, scale[b], code_sum[b]);
             }
             store_tile(y, w->n, t, a0); store_tile(y, w->n, t + 1, a1);
             store_tile(y, w->n, t + 2, a2); store_tile(y, w->n, t + 3, a3);
@@ -113,7 +127,7 @@ static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64
             __m512 acc = _mm512_setzero_ps();
             const uint8_t* base = w->packed + t * tile_bytes;
             for (int64_t b = 0; b < w->blocks; b++)
-                acc = block_into(acc, base + b * TILE_BLOCK_BYTES, codes + b * 8, scale[b], code_sum[b]);
+                acc = block_into(acc, base + b * TILE_BLOCK_BYTES, codes + b * BLOCK, scale[b], code_sum[b]);
             store_tile(y, w->n, t, acc);
         }
         return;
@@ -128,7 +142,7 @@ static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64
                 const uint8_t* p = base + b * TILE_BLOCK_BYTES;
                 for (int r = 0; r < rows; r++) {
                     int64_t row = m + r;
-                    acc[r] = block_into(acc[r], p, (const int32_t*)(job->codes + row * w->k) + b * 8,
+                    acc[r] = block_into(acc[r], p, job->codes + row * w->k + b * BLOCK,
                                         job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
                 }
             }
@@ -217,6 +231,7 @@ typedef struct {
 /* Positions in the OrtApi table (append-only since 1.0; the last one used came with API version 16). */
 enum {
     API_CreateStatus = 0,
+    API_GetErrorMessage = 2,
     API_CreateCustomOpDomain = 26,
     API_CustomOpDomain_Add = 27,
     API_AddCustomOpDomain = 28,
@@ -230,10 +245,12 @@ enum {
     API_KernelContext_GetOutput = 91,
     API_ReleaseStatus = 93,
     API_ReleaseTensorTypeAndShapeInfo = 99,
+    API_ReleaseCustomOpDomain = 101,
     API_KernelInfoGetConstantInput_tensor = 249,
     API_KernelContext_ParallelFor = 274,
 };
-#define API_VERSION 16
+#define API_VERSION 17  /* the table asked for: KernelContext_ParallelFor came with 1.17 */
+#define OP_VERSION 16   /* the OrtCustomOp fields filled: up to the V2 kernel callbacks */
 #define ORT_FAIL 1
 #define ORT_INVALID_ARGUMENT 2
 #define TYPE_FLOAT 1
@@ -267,7 +284,7 @@ typedef struct OrtCustomOp {
     int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
     OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
     OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
-    /* later fields (shape inference, version ranges, in-place maps) are not read at version 16 */
+    /* later fields (shape inference, version ranges, in-place maps) are not read at OP_VERSION */
 } OrtCustomOp;
 
 /* -- the op ---------------------------------------------------------------------------------------- */
@@ -301,7 +318,8 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     if ((status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "K", &k)) ||
         (status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "N", &n)))
         return status;
-    if (k <= 0 || n <= 0 || k % BLOCK) return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: K must be a positive multiple of 32");
+    if (k <= 0 || n <= 0 || k % BLOCK || k > (1 << 24) || n > (1 << 24))
+        return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: K must be a multiple of 32, K and N from 1 to 2^24");
     const OrtValue* packed;
     if ((status = constant_input(info, 1, &packed))) return status;
     OrtShapeInfo* shape = NULL;
@@ -376,7 +394,7 @@ static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (v
 static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
 static OrtCustomOp int8_blocks_op = {
-    .version = API_VERSION,
+    .version = OP_VERSION,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
     .GetInputType = input_type,
@@ -391,25 +409,48 @@ static OrtCustomOp int8_blocks_op = {
     .KernelComputeV2 = compute,
 };
 
+/* Set up once for every session in the process: the API table, the CPU check, the domain with its op.
+   The domain is published only whole; a failure is kept as a message and reported to each caller. */
 static OrtCustomOpDomain* domain;
+static const OrtApiBase* setup_base;
+static char setup_error[256];
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
 
-/* What SessionOptions.register_custom_ops_library calls. One domain serves every session. */
-OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-    if (!api) api = base->GetApi(API_VERSION);
-    if (!api) {  /* older than 1.16: say so with the table it has (CreateStatus is its first entry too) */
-        api = base->GetApi(1);
-        OrtStatus* status = error(ORT_FAIL, "Kiln's CPU kernels need ONNX Runtime 1.16 or later");
-        api = NULL;
-        return status;
+static void keep_error(OrtStatus* status) {
+    const char* message = CALL(API_GetErrorMessage, const char* (*)(const OrtStatus*))(status);
+    strncpy(setup_error, message ? message : "unknown error", sizeof setup_error - 1);
+    CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status);
+}
+
+static void setup(void) {
+    api = setup_base->GetApi(API_VERSION);
+    if (!api) {
+        strcpy(setup_error, "Kiln's CPU kernels need ONNX Runtime 1.17 or later");
+        return;
     }
-    if (!kiln_int8_blocks_supported())
-        return error(ORT_FAIL, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
-    OrtStatus* status;
-    if (!domain) {
-        if ((status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &domain)))
-            return status;
-        if ((status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(domain, &int8_blocks_op)))
-            return status;
+    if (!kiln_int8_blocks_supported()) {
+        strcpy(setup_error, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
+        return;
+    }
+    OrtCustomOpDomain* made = NULL;
+    OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
+    if (!status)
+        status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(made, &int8_blocks_op);
+    if (status) {
+        keep_error(status);
+        if (made) CALL(API_ReleaseCustomOpDomain, void (*)(OrtCustomOpDomain*))(made);
+        return;
+    }
+    domain = made;
+}
+
+/* What SessionOptions.register_custom_ops_library calls. */
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+    setup_base = base;
+    pthread_once(&setup_once, setup);
+    if (!domain) {  /* reported with whichever table this ONNX Runtime has: CreateStatus is entry 0 of all */
+        const OrtApi* table = api ? api : base->GetApi(1);
+        return ((OrtStatus * (*)(int, const char*))((void* const*)table)[API_CreateStatus])(ORT_FAIL, setup_error);
     }
     return CALL(API_AddCustomOpDomain, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*))(options, domain);
 }

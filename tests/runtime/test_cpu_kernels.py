@@ -88,3 +88,17 @@ def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
         monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
         cpu_kernels.library.cache_clear()
     assert cpu_kernels.library() == (LIBRARY, WHY_NOT)
+
+
+@needs_kernels
+def test_a_nan_activation_gives_nan_outputs_not_numbers():
+    """A NaN in a block must reach the output as it would in fp32, where int8 rounding would hide it
+    (a NaN code saturates to -128) and the compiler's finiteness check would pass a broken graph."""
+    rng = np.random.default_rng(0)
+    codes = rng.integers(0, 256, (32, 2, 32), dtype=np.uint8)
+    scales = np.full(64, 0.01, np.float32)
+    kiln = session("kiln", codes, scales, None)
+    x = rng.standard_normal((1, 2, 64)).astype(np.float32)
+    x[0, 0, 40] = np.nan
+    y = kiln.run(None, {"A": x})[0]
+    assert np.isnan(y[0, 0]).all() and np.isfinite(y[0, 1]).all()
