@@ -60,27 +60,43 @@ static void quantize_row(int64_t k, const float* x, int8_t* codes, float* scale,
     }
 }
 
-/* One block of one row into one tile's accumulator: 8 VNNI products in two chains, the zero points'
-   term in int32, then one fp32 multiply-add by the product of the two scales. */
 static inline int32_t four_codes(const int8_t* codes) {
     int32_t word;
     memcpy(&word, codes, 4);
     return word;
 }
 
-static inline __m512 block_into(__m512 acc, const uint8_t* tile_block, const int8_t* codes, float scale,
-                                int32_t code_sum) {
+/* One block of one row into one tile's accumulator, the block's weights, zero points and scales
+   loaded: 8 VNNI products in two chains, the zero points' term in int32, then one fp32 multiply-add by
+   the product of the two scales. Every path below computes a row through this, in block order. */
+static inline __m512 row_block(__m512 acc, const __m512i* weights, __m512i zero, __m512 w_scale,
+                               const int8_t* codes, float scale, int32_t code_sum) {
     __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
     for (int j = 0; j < BLOCK / 4; j += 2) {
-        even = _mm512_dpbusd_epi32(even, _mm512_loadu_si512(tile_block + j * 64),
-                                   _mm512_set1_epi32(four_codes(codes + 4 * j)));
-        odd = _mm512_dpbusd_epi32(odd, _mm512_loadu_si512(tile_block + j * 64 + 64),
-                                  _mm512_set1_epi32(four_codes(codes + 4 * j + 4)));
+        even = _mm512_dpbusd_epi32(even, weights[j], _mm512_set1_epi32(four_codes(codes + 4 * j)));
+        odd = _mm512_dpbusd_epi32(odd, weights[j + 1], _mm512_set1_epi32(four_codes(codes + 4 * j + 4)));
     }
-    __m512i zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
     __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_mullo_epi32(zero, _mm512_set1_epi32(code_sum)));
-    __m512 scales = _mm512_mul_ps(_mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE)), _mm512_set1_ps(scale));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), scales, acc);
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, _mm512_set1_ps(scale)), acc);
+}
+
+typedef struct {
+    __m512i weights[BLOCK / 4];
+    __m512i zero;
+    __m512 scale;
+} TileBlock;
+
+static inline void load_block(TileBlock* block, const uint8_t* tile_block) {
+    for (int j = 0; j < BLOCK / 4; j++) block->weights[j] = _mm512_loadu_si512(tile_block + j * 64);
+    block->zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
+    block->scale = _mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE));
+}
+
+static inline __m512 block_into(__m512 acc, const uint8_t* tile_block, const int8_t* codes, float scale,
+                                int32_t code_sum) {
+    TileBlock block;
+    load_block(&block, tile_block);
+    return row_block(acc, block.weights, block.zero, block.scale, codes, scale, code_sum);
 }
 
 static inline void store_tile(float* y, int64_t n, int64_t tile, __m512 acc) {
@@ -133,7 +149,24 @@ static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64
         return;
     }
     for (int64_t t = t0; t < t1; t++) {
-        for (int64_t m = r0; m < r1; m += 8) {
+        int64_t m = r0;
+        for (; m + 8 <= r1; m += 8) {  /* eight rows held in registers, each block's weights loaded once */
+            __m512 acc[8];
+            for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
+            const uint8_t* base = w->packed + t * tile_bytes;
+            for (int64_t b = 0; b < w->blocks; b++) {
+                TileBlock block;
+                load_block(&block, base + b * TILE_BLOCK_BYTES);
+#pragma GCC unroll 8
+                for (int r = 0; r < 8; r++) {
+                    int64_t row = m + r;
+                    acc[r] = row_block(acc[r], block.weights, block.zero, block.scale, job->codes + row * w->k + b * BLOCK,
+                                       job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
+                }
+            }
+            for (int r = 0; r < 8; r++) store_tile(job->y + (m + r) * w->n, w->n, t, acc[r]);
+        }
+        for (; m < r1; m += 8) {
             int64_t rows = r1 - m < 8 ? r1 - m : 8;
             __m512 acc[8];
             for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
