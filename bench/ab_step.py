@@ -120,11 +120,10 @@ def load(spec: str, threads: int, verify: bool = False):
         entry = artifact.variant(variant)
         if graph:  # one graph file of the variant's, e.g. model.onnx where the host would run model_kernels.onnx
             from runtime.backend import OnnxRuntimeBackend
-            from runtime.cpu_kernels import KERNEL_MODEL_FILE, library
+            from runtime.cpu_kernels import library_for
 
-            kernels = library()[0] if graph == KERNEL_MODEL_FILE else None
             path = artifact.folder / Path(entry["model"]).parent / graph
-            return OnnxRuntimeBackend(path, entry["interface"], threads=threads, kernels=kernels)
+            return OnnxRuntimeBackend(path, entry["interface"], threads=threads, kernels=library_for(path))
         return open_backend(artifact.folder, entry, threads=threads)
     except KilnError as exc:
         raise SystemExit(f"error: {exc}") from None

@@ -53,6 +53,11 @@ def library() -> tuple[Path | None, str]:
 
 
 
+def library_for(graph: Path) -> Path | None:
+    """The library a graph file needs where it is a variant's KERNEL_MODEL_FILE and this host runs it."""
+    return library()[0] if graph.name == KERNEL_MODEL_FILE else None
+
+
 def pack_int8_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None) -> np.ndarray:
     """MatMulNBits' 8-bit weights (codes [N, K/32, 32], scales and zero points [N * K/32]; zero points
     128 where absent) in MatMulInt8Blocks' layout (int8_blocks.c): for each tile of 16 columns and

@@ -315,9 +315,9 @@ def measure(model_path: Path, interface: dict[str, Any], max_context: int, threa
     import tokenizers  # noqa: F401
 
     from .backend import OnnxRuntimeBackend
-    from .cpu_kernels import KERNEL_MODEL_FILE, library
+    from .cpu_kernels import library_for
 
-    kernels = library()[0] if model_path.name == KERNEL_MODEL_FILE else None  # loaded before the baseline
+    kernels = library_for(model_path)  # loaded before the baseline
     baseline = _status("VmRSS:")
     backend = OnnxRuntimeBackend(model_path, interface, threads=threads, kernels=kernels)
     loaded = _status("VmRSS:")

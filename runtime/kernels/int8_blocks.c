@@ -114,9 +114,29 @@ typedef struct {
     float* y;                  /* [rows][n] */
 } Job;
 
-/* Tiles [t0, t1) for rows [r0, r1). Up to 8 rows share each block's weights, loaded once; a lone row
-   runs four tiles side by side instead, four independent chains of loads and products. Both paths do
-   the same arithmetic per row. */
+/* Rows [m, m + rows) of one tile, rows <= 8: the rows held in registers, each block's weights, zero
+   points and scales loaded once for all of them. Inlined, a literal 8 unrolls the rows. */
+static inline __attribute__((always_inline)) void rows_of_tile(const Job* job, int64_t t, int64_t m, int rows) {
+    const Weights* w = job->w;
+    const uint8_t* base = w->packed + t * (size_t)w->blocks * TILE_BLOCK_BYTES;
+    __m512 acc[8];
+    for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < w->blocks; b++) {
+        TileBlock block;
+        load_block(&block, base + b * TILE_BLOCK_BYTES);
+#pragma GCC unroll 8
+        for (int r = 0; r < rows; r++) {
+            int64_t row = m + r;
+            acc[r] = row_block(acc[r], block.weights, block.zero, block.scale, job->codes + row * w->k + b * BLOCK,
+                               job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
+        }
+    }
+    for (int r = 0; r < rows; r++) store_tile(job->y + (m + r) * w->n, w->n, t, acc[r]);
+}
+
+/* Tiles [t0, t1) for rows [r0, r1): eight rows at a time per tile; a lone row runs four tiles side by
+   side instead, four independent chains of loads and products. Every path does the same arithmetic
+   per row (row_block, in block order). */
 static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64_t r1) {
     const Weights* w = job->w;
     size_t tile_bytes = (size_t)w->blocks * TILE_BLOCK_BYTES;
@@ -139,48 +159,13 @@ static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64
             store_tile(y, w->n, t, a0); store_tile(y, w->n, t + 1, a1);
             store_tile(y, w->n, t + 2, a2); store_tile(y, w->n, t + 3, a3);
         }
-        for (; t < t1; t++) {
-            __m512 acc = _mm512_setzero_ps();
-            const uint8_t* base = w->packed + t * tile_bytes;
-            for (int64_t b = 0; b < w->blocks; b++)
-                acc = block_into(acc, base + b * TILE_BLOCK_BYTES, codes + b * BLOCK, scale[b], code_sum[b]);
-            store_tile(y, w->n, t, acc);
-        }
+        for (; t < t1; t++) rows_of_tile(job, t, r0, 1);
         return;
     }
     for (int64_t t = t0; t < t1; t++) {
         int64_t m = r0;
-        for (; m + 8 <= r1; m += 8) {  /* eight rows held in registers, each block's weights loaded once */
-            __m512 acc[8];
-            for (int r = 0; r < 8; r++) acc[r] = _mm512_setzero_ps();
-            const uint8_t* base = w->packed + t * tile_bytes;
-            for (int64_t b = 0; b < w->blocks; b++) {
-                TileBlock block;
-                load_block(&block, base + b * TILE_BLOCK_BYTES);
-#pragma GCC unroll 8
-                for (int r = 0; r < 8; r++) {
-                    int64_t row = m + r;
-                    acc[r] = row_block(acc[r], block.weights, block.zero, block.scale, job->codes + row * w->k + b * BLOCK,
-                                       job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
-                }
-            }
-            for (int r = 0; r < 8; r++) store_tile(job->y + (m + r) * w->n, w->n, t, acc[r]);
-        }
-        for (; m < r1; m += 8) {
-            int64_t rows = r1 - m < 8 ? r1 - m : 8;
-            __m512 acc[8];
-            for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
-            const uint8_t* base = w->packed + t * tile_bytes;
-            for (int64_t b = 0; b < w->blocks; b++) {
-                const uint8_t* p = base + b * TILE_BLOCK_BYTES;
-                for (int r = 0; r < rows; r++) {
-                    int64_t row = m + r;
-                    acc[r] = block_into(acc[r], p, job->codes + row * w->k + b * BLOCK,
-                                        job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
-                }
-            }
-            for (int r = 0; r < rows; r++) store_tile(job->y + (m + r) * w->n, w->n, t, acc[r]);
-        }
+        for (; m + 8 <= r1; m += 8) rows_of_tile(job, t, m, 8);
+        if (m < r1) rows_of_tile(job, t, m, (int)(r1 - m));
     }
 }
 
