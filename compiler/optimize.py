@@ -148,10 +148,16 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
 
 
 def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None, int | str]:
-    """The graph for Kiln's CPU kernels (runtime/cpu_kernels.py) in `folder`: `graph` with each 8-bit
-    MatMulNBits in blocks of 32 with int8 activations as ai.kiln::MatMulInt8Blocks, its weights packed
-    into the kernel's layout in KERNEL_DATA_FILE and every other weight read from `graph`'s weights
-    file; and how many nodes it runs. None and why not where no node qualifies.
+    """The graph for Kiln's CPU kernels (runtime/cpu_kernels.py) in `folder`: `graph` with each
+    MatMulNBits in blocks of 32 with int8 activations as ai.kiln::MatMulInt8Blocks (8 bits) or
+    MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE and
+    every other weight read from `graph`'s weights file; and how many nodes it runs. None and why not
+    where no node qualifies.
+
+    A 4-bit node that reads its activations' block means beside them (a Q4_1 grid's zero-point
+    correction, compiler/quantize.py _encode_int4_grid) becomes one node on the activations alone: the
+    correction's weights become the blocks' offsets, times the exact block sums rather than int8 codes
+    of their means, and the AveragePool and Concat that fed it go where nothing else reads them.
 
     The caller measures it against eager as it measures `graph`: the kernel rounds each activation as
     MLAS does but sums in another order, and int8 activations carry a last-bit difference into other
@@ -159,44 +165,46 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     the kernel's sums), so the two graphs agree to int8's accuracy, not to fp32's tolerance."""
     import onnx
 
-    from runtime.cpu_kernels import DOMAIN, INT8_BLOCKS_OP, KERNEL_DATA_FILE, pack_int8_blocks
+    from runtime.cpu_kernels import DOMAIN, KERNEL_DATA_FILE
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
-    eligible = []
-    for node in proto.graph.node:
-        if (node.domain, node.op_type) != ("com.microsoft", "MatMulNBits"):
-            continue
-        attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
-        if (attributes.get("bits") == 8 and attributes.get("block_size") == 32
-                and attributes.get("accuracy_level") == 4 and attributes["K"] % 32 == 0
-                and all(name in initializers for name in node.input[1:4] if name)
-                and not any(node.input[4:])):  # no g_idx, no bias
-            eligible.append((node, attributes["K"], attributes["N"]))
+    producers = {output: node for node in proto.graph.node for output in node.output}
+    eligible = [(node, made) for node in proto.graph.node
+                if (made := _kernel_node(node, initializers, producers)) is not None]
     if not eligible:
-        return None, "no 8-bit MatMulNBits in blocks of 32 with int8 activations in the graph"
+        return None, "no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations in the graph"
     folder.mkdir(parents=True)
     for name in graph.files[1:]:
         if name.endswith(".data"):
             link_or_copy(graph.folder / name, folder / name)
     replaced = set()
     with open(folder / KERNEL_DATA_FILE, "wb") as data:
-        for number, (node, k, n) in enumerate(eligible):
+        for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
                        for name in [*node.input[1:4], ""][:3]]
-            packed = pack_int8_blocks(*weights)
+            packed = made.pack(*weights)
             data.write(b"\0" * (-data.tell() % 4096))  # page-aligned: ONNX Runtime can map it in place
-            tensor = onnx.TensorProto(name=f"int8_blocks.{number}.{node.name}", data_type=onnx.TensorProto.UINT8,
-                                      dims=[packed.size], data_location=onnx.TensorProto.EXTERNAL)
+            tensor = onnx.TensorProto(name=f"int{made.bits}_blocks.{number}.{node.name}",
+                                      data_type=onnx.TensorProto.UINT8, dims=[packed.size],
+                                      data_location=onnx.TensorProto.EXTERNAL)
             for key, value in (("location", KERNEL_DATA_FILE), ("offset", data.tell()), ("length", packed.size)):
                 tensor.external_data.add(key=key, value=str(value))
             data.write(packed.tobytes())
             proto.graph.initializer.append(tensor)
             replaced.update(name for name in node.input[1:4] if name)
-            node.domain, node.op_type = DOMAIN, INT8_BLOCKS_OP
-            node.input[:] = [node.input[0], tensor.name]
+            node.domain, node.op_type = DOMAIN, made.op
+            node.input[:] = [made.activation, tensor.name]
             del node.attribute[:]
-            node.attribute.extend([onnx.helper.make_attribute("K", k), onnx.helper.make_attribute("N", n)])
+            node.attribute.extend([onnx.helper.make_attribute("K", made.k), onnx.helper.make_attribute("N", made.n)])
+    bypassed = {name for _, made in eligible for name in made.bypassed}
+    while True:  # the block means' nodes that no node reads any more, the Concat first
+        read = _names_read(proto.graph) | {output.name for output in proto.graph.output}
+        dead = [n for n in proto.graph.node if n.name in bypassed and not read & set(n.output)]
+        if not dead:
+            break
+        for node in dead:
+            proto.graph.node.remove(node)
     used = _names_read(proto.graph) | {output.name for output in proto.graph.output}
     kept = [i for i in proto.graph.initializer if i.name in used or i.name not in replaced]
     del proto.graph.initializer[:]
@@ -205,6 +213,80 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     onnx.save(proto, str(folder / MODEL_FILE))
     built = saved_graph(folder, graph.interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, KERNEL_DATA_FILE]), len(eligible)
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelNode:
+    """What one MatMulNBits becomes in the kernels' graph."""
+    op: str
+    bits: int
+    activation: str  # the input it reads
+    k: int
+    n: int
+    pack: Any  # (codes, scales, zero points) as MatMulNBits holds them -> the kernel's packed bytes
+    bypassed: tuple[str, ...] = ()  # nodes that fed it block means, removed where nothing else reads them
+
+
+def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, Any]) -> KernelNode | None:
+    """The kernel op for a MatMulNBits that one runs: 8 or 4 bits in blocks of 32, int8 activations
+    (accuracy_level 4), weights in initializers, no g_idx or bias; else None."""
+    import onnx
+
+    from runtime.cpu_kernels import INT4_BLOCKS_OP, INT8_BLOCKS_OP, pack_int8_blocks
+
+    if (node.domain, node.op_type) != ("com.microsoft", "MatMulNBits"):
+        return None
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    k, n, bits = attributes["K"], attributes["N"], attributes.get("bits")
+    if (attributes.get("block_size") != 32 or attributes.get("accuracy_level") != 4 or any(node.input[4:])
+            or not all(name in initializers for name in node.input[1:4] if name)):
+        return None
+    if bits == 8 and k % 32 == 0:
+        return KernelNode(INT8_BLOCKS_OP, 8, node.input[0], k, n,
+                          lambda codes, scales, zero_points: pack_int8_blocks(codes, scales, zero_points))
+    if bits != 4:
+        return None
+    if k % 32 == 0:
+        return KernelNode(INT4_BLOCKS_OP, 4, node.input[0], k, n,
+                          lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, 0))
+    joined = producers.get(node.input[0])
+    joined_axis = {a.name: a.i for a in joined.attribute}.get("axis") if joined is not None else None
+    pooled = producers.get(joined.input[1]) if joined is not None and joined.op_type == "Concat" \
+        and len(joined.input) == 2 and joined_axis in (-1, 2) else None  # activations are [batch, seq, K]
+    if pooled is None or pooled.op_type != "AveragePool" or pooled.input[0] != joined.input[0]:
+        return None
+    pool = {a.name: onnx.helper.get_attribute_value(a) for a in pooled.attribute}
+    width = k * 32 // 33
+    if (pool.get("kernel_shape") != [32] or pool.get("strides") != [32] or any(pool.get("pads", []))
+            or width % 32 or width + width // 32 != k):
+        return None
+    return KernelNode(INT4_BLOCKS_OP, 4, joined.input[0], width, n,
+                      lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, width),
+                      (joined.name, pooled.name))
+
+
+def _pack_int4(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
+               width: int) -> np.ndarray:
+    """A 4-bit MatMulNBits' weights in MatMulInt4Blocks' layout. With `width`, the node reads [x, x's
+    block means] (K = width + width / 32): the rows past `width` hold each block's correction c, which
+    the block's mean multiplies, so the block's offset is c / 32; else the offsets are 0."""
+    from runtime.cpu_kernels import pack_int4_blocks
+
+    blocks = -(-k // 32)
+    nibbles = codes.reshape(n, blocks, 16)
+    unpacked = np.stack([nibbles & 0x0F, nibbles >> 4], -1).reshape(n, blocks * 32)
+    d = scales.reshape(n, blocks).astype(np.float32)
+    if zero_points is None:
+        zero = np.full((n, blocks), 8, np.uint8)
+    else:
+        pairs = zero_points.reshape(n, -1)
+        zero = np.stack([pairs & 0x0F, pairs >> 4], -1).reshape(n, -1)[:, :blocks]
+    kept = width // 32 if width else blocks
+    offsets = np.zeros((n, kept), np.float64)
+    if width:
+        rows = np.arange(width, k)  # correction row width + b multiplies block b's mean
+        offsets += d[:, rows // 32] * (unpacked[:, rows].astype(np.float64) - zero[:, rows // 32]) / 32
+    return pack_int4_blocks(unpacked[:, :kept * 32].reshape(n, kept, 32), d[:, :kept], zero[:, :kept], offsets)
 
 
 def _names_read(graph: Any) -> set[str]:

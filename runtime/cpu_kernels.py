@@ -1,19 +1,21 @@
 """Kiln's own CPU kernels, run by ONNX Runtime as custom ops (runtime/kernels/int8_blocks.c).
 
-A variant whose graph has 8-bit MatMulNBits nodes in blocks of 32 gets a second graph beside
-model.onnx, KERNEL_MODEL_FILE: the same graph with those nodes as ai.kiln::MatMulInt8Blocks over the
-same weights packed in the kernel's layout (KERNEL_DATA_FILE; every other weight read from
-model.onnx.data), so that AVX-512 VNNI instructions work on 16 output columns at once. It computes
-what MatMulNBits computes but sums in another order, and int8 activations carry a last-bit
-difference into other roundings a layer later, so the compiler measures it against eager under the
-variant's gates as it measures model.onnx, and ships it only where it passes; the manifest names it
-as the variant's `kernel_model`. A CPU host runs it where the library was built at
+A variant whose graph has 8-bit or 4-bit MatMulNBits nodes in blocks of 32 with int8 activations gets
+a second graph beside model.onnx, KERNEL_MODEL_FILE: the same graph with those nodes as
+ai.kiln::MatMulInt8Blocks or MatMulInt4Blocks over the same weights packed in the kernels' layout
+(KERNEL_DATA_FILE; every other weight read from model.onnx.data), so that AVX-512 VNNI instructions
+work on 16 output columns at once; a 4-bit node that reads its activations' block means beside them
+(a Q4_1 grid's correction) reads the activations alone, the correction folded into its weights. The
+kernels round each activation as MLAS does but sum in another order, and int8 activations carry a
+last-bit difference into other roundings a layer later, so the compiler measures the graph against
+eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the
+manifest names it as the variant's `kernel_model`. A CPU host runs it where the library was built at
 install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI; anywhere else,
 or with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which every ONNX Runtime opens.
 
-Measured on SmolLM2-135M's int8 weights (2 threads, AMD EPYC with AVX-512 VNNI, bench/int8_kernel.py):
-level with MLAS's MatMulNBits for one row, where both read the weights at the memory's rate, and
-faster from 32 rows up, where MLAS's kernel is bound by its per-block work.
+Measured on SmolLM2-135M (2 threads, AMD EPYC with AVX-512 VNNI, bench/ab_step.py): at one row both
+widths read the weights at about the memory's rate (8 bits level with MLAS; 4 bits, which MLAS
+unpacks more slowly, 1.1x), and from 32 rows up MLAS is bound by its per-block work (1.4x to 1.7x).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ KERNEL_MODEL_FILE = "model_kernels.onnx"
 KERNEL_DATA_FILE = "model_kernels.onnx.data"
 DOMAIN = "ai.kiln"
 INT8_BLOCKS_OP = "MatMulInt8Blocks"
+INT4_BLOCKS_OP = "MatMulInt4Blocks"
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
 
 
@@ -75,7 +78,39 @@ def pack_int8_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     zero = np.zeros((tiles * 16, blocks), np.uint8)
     zero[:n] = zero_points.reshape(n, -1)[:, :blocks]
     return np.concatenate([
-        padded.reshape(tiles, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 512),
+        _code_groups(padded, tiles).reshape(tiles, blocks, 512),
         scale.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8),
         zero.reshape(tiles, 16, blocks).transpose(0, 2, 1),
     ], axis=2).reshape(-1)
+
+
+def pack_int4_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+                     offsets: np.ndarray) -> np.ndarray:
+    """4-bit weights w = scale * (code - zero point) + offset (codes [N, K/32, 32] of 0..15, the others
+    [N, K/32]) in MatMulInt4Blocks' layout (int8_blocks.c): for each tile of 16 columns and block of 32
+    rows, pack_int8_blocks' 8 groups of codes with group j in the low nibbles and group j + 4 in the
+    high ones (256 bytes), the 16 scales and 16 offsets (fp32), the 16 zero points. Columns past N, to
+    a whole tile, get scale and offset 0."""
+    n, blocks, size = codes.shape
+    if size != 32:
+        raise ValueError(f"codes in blocks of {size}; the kernel takes blocks of 32")
+    if max(codes.max(initial=0), np.max(zero_points, initial=0)) > 15:
+        raise ValueError("4-bit codes and zero points must be 0 to 15")
+    tiles = -(-n // 16)
+    padded = np.zeros((tiles * 16, blocks, 32), np.uint8)
+    padded[:n] = codes
+    groups = _code_groups(padded, tiles)  # [tiles, blocks, 8, 64]
+    nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)
+    columns = []
+    for values, dtype in ((scales, np.float32), (offsets, np.float32), (zero_points, np.uint8)):
+        column = np.zeros((tiles * 16, blocks), dtype)
+        column[:n] = np.asarray(values).reshape(n, blocks)
+        columns.append(column.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8))
+    return np.concatenate([nibbles.reshape(tiles, blocks, 256), *columns], axis=2).reshape(-1)
+
+
+def _code_groups(codes: np.ndarray, tiles: int) -> np.ndarray:
+    """Codes [tiles * 16, blocks, 32] as [tiles, blocks, 8, 64]: per group of 4 rows, 16 columns of 4
+    bytes, what one VNNI instruction multiplies."""
+    blocks = codes.shape[1]
+    return codes.reshape(tiles, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 8, 64)

@@ -1,4 +1,4 @@
-/* Kiln's CPU kernel for 8-bit weight blocks times int8 activation blocks, as an ONNX Runtime custom op.
+/* Kiln's CPU kernels for weight blocks times int8 activation blocks, as ONNX Runtime custom ops.
 
    ai.kiln::MatMulInt8Blocks(A, W) with attributes K and N computes what com.microsoft::MatMulNBits
    computes with bits 8, block_size 32 and accuracy_level 4 over the same weights: each row's
@@ -10,6 +10,13 @@
    across a vector. Per tile of 16 columns and block of 32 rows: 512 bytes of codes (for each group of
    4 rows, 16 columns of 4 bytes), the 16 scales (fp32) and the 16 zero points (uint8), 592 bytes, as
    many as MatMulNBits stores; tiles one after another, each tile's blocks in order.
+
+   ai.kiln::MatMulInt4Blocks(A, W) takes 4-bit weights w = d * (q - z) + m: per block of 32, a scale
+   d, an integer zero point z and an offset m (pack_int4_blocks; m holds what an integer z cannot of a
+   GGUF Q4_1 block's minimum). A block adds what MatMulInt8Blocks adds for d * (q - z), then m times
+   the sum of its activations in fp32, not quantized. Per tile and block: 256 bytes of codes (the
+   8-bit layout's groups j and j + 4 in the low and high nibbles of one vector), the 16 scales and 16
+   offsets (fp32) and the 16 zero points, 400 bytes.
 
    Each row is computed by the same instructions in the same order whatever the batch, the thread
    count or the CPU, so a sequence's logits do not depend on what else is in the batch or on the host.
@@ -25,12 +32,14 @@
 #include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #define BLOCK 32
 #define TILE 16                                    /* output columns per vector */
-#define TILE_BLOCK_BYTES (BLOCK * TILE + TILE * 4 + TILE)  /* codes, scales, zero points: 592 */
+#define TILE_BLOCK_BYTES_8 (BLOCK * TILE + TILE * 4 + TILE)      /* codes, scales, zero points: 592 */
+#define TILE_BLOCK_BYTES_4 (BLOCK * TILE / 2 + TILE * 4 + TILE * 4 + TILE)  /* codes, scales, offsets, zero points: 400 */
 #define TILES_PER_ITEM 4                           /* one work item: 64 columns */
 #define ROWS_PER_CHUNK 64                          /* rows whose activations stay in L1/L2 together */
 
@@ -38,12 +47,15 @@
 
 typedef struct {
     int64_t k, n, blocks, tiles;
-    const uint8_t* packed; /* [tiles][blocks][TILE_BLOCK_BYTES] */
+    int bits;              /* 8: MatMulInt8Blocks' layout; 4: MatMulInt4Blocks' */
+    size_t block_bytes;    /* TILE_BLOCK_BYTES_8 or _4 */
+    const uint8_t* packed; /* [tiles][blocks][block_bytes] */
 } Weights;
 
-/* One row's activations: int8 codes, and per block the scale and the codes' sum (for the zero points'
-   term: sum((q - z) * a) = sum(q * a) - z * sum(a), exact in int32). */
-static void quantize_row(int64_t k, const float* x, int8_t* codes, float* scale, int32_t* code_sum) {
+/* One row's activations: int8 codes, and per block the scale, the codes' sum (for the zero points'
+   term: sum((q - z) * a) = sum(q * a) - z * sum(a), exact in int32) and the activations' own fp32 sum
+   (for the 4-bit blocks' offsets, which multiply it unquantized). */
+static void quantize_row(int64_t k, const float* x, int8_t* codes, float* scale, int32_t* code_sum, float* x_sum) {
     for (int64_t b = 0; b < k / BLOCK; b++) {
         __m512 v0 = _mm512_loadu_ps(x + b * BLOCK), v1 = _mm512_loadu_ps(x + b * BLOCK + 16);
         float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
@@ -57,6 +69,7 @@ static void quantize_row(int64_t k, const float* x, int8_t* codes, float* scale,
         _mm_storeu_si128((__m128i*)(codes + b * BLOCK + 16), _mm512_cvtsepi32_epi8(q1));
         scale[b] = amax >= FLT_MIN || amax != amax ? amax / 127.0f : 0.0f;
         code_sum[b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+        x_sum[b] = _mm512_reduce_add_ps(_mm512_add_ps(v0, v1));
     }
 }
 
@@ -66,37 +79,55 @@ static inline int32_t four_codes(const int8_t* codes) {
     return word;
 }
 
-/* One block of one row into one tile's accumulator, the block's weights, zero points and scales
-   loaded: 8 VNNI products in two chains, the zero points' term in int32, then one fp32 multiply-add by
-   the product of the two scales. Every path below computes a row through this, in block order. */
-static inline __m512 row_block(__m512 acc, const __m512i* weights, __m512i zero, __m512 w_scale,
-                               const int8_t* codes, float scale, int32_t code_sum) {
-    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
-    for (int j = 0; j < BLOCK / 4; j += 2) {
-        even = _mm512_dpbusd_epi32(even, weights[j], _mm512_set1_epi32(four_codes(codes + 4 * j)));
-        odd = _mm512_dpbusd_epi32(odd, weights[j + 1], _mm512_set1_epi32(four_codes(codes + 4 * j + 4)));
-    }
-    __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd), _mm512_mullo_epi32(zero, _mm512_set1_epi32(code_sum)));
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(w_scale, _mm512_set1_ps(scale)), acc);
-}
-
+/* One tile's weights for one block of 32 rows, in registers: codes (4-bit ones unpacked to bytes),
+   zero points and scales, and at 4 bits the offsets. */
 typedef struct {
     __m512i weights[BLOCK / 4];
     __m512i zero;
-    __m512 scale;
+    __m512 scale, offset;
 } TileBlock;
 
-static inline void load_block(TileBlock* block, const uint8_t* tile_block) {
-    for (int j = 0; j < BLOCK / 4; j++) block->weights[j] = _mm512_loadu_si512(tile_block + j * 64);
-    block->zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
-    block->scale = _mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE));
+/* 4-bit blocks pack group j's codes in the low nibbles and group j + 4's in the high ones. */
+static inline __attribute__((always_inline)) void load_block(TileBlock* block, const uint8_t* tile_block, int bits) {
+    if (bits == 8) {
+        for (int j = 0; j < BLOCK / 4; j++) block->weights[j] = _mm512_loadu_si512(tile_block + j * 64);
+        block->zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
+        block->scale = _mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE));
+        return;
+    }
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < BLOCK / 8; j++) {
+        __m512i both = _mm512_loadu_si512(tile_block + j * 64);
+        block->weights[j] = _mm512_and_si512(both, nibble);
+        block->weights[j + BLOCK / 8] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
+    }
+    block->scale = _mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE / 2));
+    block->offset = _mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE / 2 + TILE * 4));
+    block->zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE / 2 + TILE * 8)));
 }
 
-static inline __m512 block_into(__m512 acc, const uint8_t* tile_block, const int8_t* codes, float scale,
-                                int32_t code_sum) {
+/* One block of one row into one tile's accumulator, the block's weights loaded: 8 VNNI products in
+   two chains, the zero points' term in int32, then one fp32 multiply-add by the product of the two
+   scales; at 4 bits then the offsets times the block's fp32 sum of activations. Every path below
+   computes a row through this, in block order. */
+static inline __attribute__((always_inline)) __m512 row_block(__m512 acc, const TileBlock* block, const int8_t* codes,
+                                                              float scale, int32_t code_sum, float x_sum, int bits) {
+    __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+    for (int j = 0; j < BLOCK / 4; j += 2) {
+        even = _mm512_dpbusd_epi32(even, block->weights[j], _mm512_set1_epi32(four_codes(codes + 4 * j)));
+        odd = _mm512_dpbusd_epi32(odd, block->weights[j + 1], _mm512_set1_epi32(four_codes(codes + 4 * j + 4)));
+    }
+    __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(even, odd),
+                                   _mm512_mullo_epi32(block->zero, _mm512_set1_epi32(code_sum)));
+    acc = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(block->scale, _mm512_set1_ps(scale)), acc);
+    return bits == 8 ? acc : _mm512_fmadd_ps(block->offset, _mm512_set1_ps(x_sum), acc);
+}
+
+static inline __attribute__((always_inline)) __m512 block_into(__m512 acc, const uint8_t* tile_block, const int8_t* codes,
+                                                               float scale, int32_t code_sum, float x_sum, int bits) {
     TileBlock block;
-    load_block(&block, tile_block);
-    return row_block(acc, block.weights, block.zero, block.scale, codes, scale, code_sum);
+    load_block(&block, tile_block, bits);
+    return row_block(acc, &block, codes, scale, code_sum, x_sum, bits);
 }
 
 static inline void store_tile(float* y, int64_t n, int64_t tile, __m512 acc) {
@@ -111,24 +142,25 @@ typedef struct {
     const int8_t* codes;       /* [rows][k] */
     const float* scale;        /* [rows][blocks] */
     const int32_t* code_sum;   /* [rows][blocks] */
+    const float* x_sum;        /* [rows][blocks] */
     float* y;                  /* [rows][n] */
 } Job;
 
 /* Rows [m, m + rows) of one tile, rows <= 8: the rows held in registers, each block's weights, zero
    points and scales loaded once for all of them. Inlined, a literal 8 unrolls the rows. */
-static inline __attribute__((always_inline)) void rows_of_tile(const Job* job, int64_t t, int64_t m, int rows) {
+static inline __attribute__((always_inline)) void rows_of_tile(const Job* job, int64_t t, int64_t m, int rows, int bits) {
     const Weights* w = job->w;
-    const uint8_t* base = w->packed + t * (size_t)w->blocks * TILE_BLOCK_BYTES;
+    const uint8_t* base = w->packed + t * (size_t)w->blocks * w->block_bytes;
     __m512 acc[8];
     for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
     for (int64_t b = 0; b < w->blocks; b++) {
         TileBlock block;
-        load_block(&block, base + b * TILE_BLOCK_BYTES);
+        load_block(&block, base + b * w->block_bytes, bits);
 #pragma GCC unroll 8
         for (int r = 0; r < rows; r++) {
             int64_t row = m + r;
-            acc[r] = row_block(acc[r], block.weights, block.zero, block.scale, job->codes + row * w->k + b * BLOCK,
-                               job->scale[row * w->blocks + b], job->code_sum[row * w->blocks + b]);
+            acc[r] = row_block(acc[r], &block, job->codes + row * w->k + b * BLOCK, job->scale[row * w->blocks + b],
+                               job->code_sum[row * w->blocks + b], job->x_sum[row * w->blocks + b], bits);
         }
     }
     for (int r = 0; r < rows; r++) store_tile(job->y + (m + r) * w->n, w->n, t, acc[r]);
@@ -137,42 +169,43 @@ static inline __attribute__((always_inline)) void rows_of_tile(const Job* job, i
 /* Tiles [t0, t1) for rows [r0, r1): eight rows at a time per tile; a lone row runs four tiles side by
    side instead, four independent chains of loads and products. Every path does the same arithmetic
    per row (row_block, in block order). */
-static void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0, int64_t r1) {
+static inline __attribute__((always_inline)) void tiles_rows(const Job* job, int64_t t0, int64_t t1, int64_t r0,
+                                                             int64_t r1, int bits) {
     const Weights* w = job->w;
-    size_t tile_bytes = (size_t)w->blocks * TILE_BLOCK_BYTES;
+    size_t tile_bytes = (size_t)w->blocks * w->block_bytes;
     if (r1 - r0 == 1) {
         const int8_t* codes = job->codes + r0 * w->k;
         const float* scale = job->scale + r0 * w->blocks;
         const int32_t* code_sum = job->code_sum + r0 * w->blocks;
+        const float* x_sum = job->x_sum + r0 * w->blocks;
         float* y = job->y + r0 * w->n;
         int64_t t = t0;
         for (; t + 4 <= t1; t += 4) {
             __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
             const uint8_t* base = w->packed + t * tile_bytes;
             for (int64_t b = 0; b < w->blocks; b++) {
-                const uint8_t* p = base + b * TILE_BLOCK_BYTES;
-                a0 = block_into(a0, p, codes + b * BLOCK, scale[b], code_sum[b]);
-                a1 = block_into(a1, p + tile_bytes, codes + b * BLOCK, scale[b], code_sum[b]);
-                a2 = block_into(a2, p + 2 * tile_bytes, codes + b * BLOCK, scale[b], code_sum[b]);
-                a3 = block_into(a3, p + 3 * tile_bytes, codes + b * BLOCK, scale[b], code_sum[b]);
+                const uint8_t* p = base + b * w->block_bytes;
+                a0 = block_into(a0, p, codes + b * BLOCK, scale[b], code_sum[b], x_sum[b], bits);
+                a1 = block_into(a1, p + tile_bytes, codes + b * BLOCK, scale[b], code_sum[b], x_sum[b], bits);
+                a2 = block_into(a2, p + 2 * tile_bytes, codes + b * BLOCK, scale[b], code_sum[b], x_sum[b], bits);
+                a3 = block_into(a3, p + 3 * tile_bytes, codes + b * BLOCK, scale[b], code_sum[b], x_sum[b], bits);
             }
             store_tile(y, w->n, t, a0); store_tile(y, w->n, t + 1, a1);
             store_tile(y, w->n, t + 2, a2); store_tile(y, w->n, t + 3, a3);
         }
-        for (; t < t1; t++) rows_of_tile(job, t, r0, 1);
+        for (; t < t1; t++) rows_of_tile(job, t, r0, 1, bits);
         return;
     }
     for (int64_t t = t0; t < t1; t++) {
         int64_t m = r0;
-        for (; m + 8 <= r1; m += 8) rows_of_tile(job, t, m, 8);
-        if (m < r1) rows_of_tile(job, t, m, (int)(r1 - m));
+        for (; m + 8 <= r1; m += 8) rows_of_tile(job, t, m, 8, bits);
+        if (m < r1) rows_of_tile(job, t, m, (int)(r1 - m), bits);
     }
 }
 
 /* Work item i of `items` = (row chunk, group of TILES_PER_ITEM tiles), chunk-major so that a thread's
    consecutive items reuse one chunk's activations. A shard is a contiguous run of items. */
-static void run_shard(void* data, size_t shard) {
-    const Job* job = data;
+static inline __attribute__((always_inline)) void run_shard(const Job* job, size_t shard, int bits) {
     int64_t items = job->chunks * job->items_per_chunk;
     int64_t first = items * (int64_t)shard / job->shards, last = items * ((int64_t)shard + 1) / job->shards;
     for (int64_t i = first; i < last; i++) {
@@ -181,9 +214,13 @@ static void run_shard(void* data, size_t shard) {
         if (t1 > job->w->tiles) t1 = job->w->tiles;
         int64_t r0 = chunk * ROWS_PER_CHUNK, r1 = r0 + ROWS_PER_CHUNK;
         if (r1 > job->rows) r1 = job->rows;
-        tiles_rows(job, t0, t1, r0, r1);
+        tiles_rows(job, t0, t1, r0, r1, bits);
     }
 }
+
+/* One copy of the loops per weight width, each with its own arithmetic inlined. */
+static void run_shard_8(void* data, size_t shard) { run_shard(data, shard, 8); }
+static void run_shard_4(void* data, size_t shard) { run_shard(data, shard, 4); }
 
 typedef struct {
     const Job* job;
@@ -191,6 +228,7 @@ typedef struct {
     int8_t* codes;
     float* scale;
     int32_t* code_sum;
+    float* x_sum;
     int64_t shards;
 } QuantizeJob;
 
@@ -199,7 +237,8 @@ static void quantize_shard(void* data, size_t shard) {
     const Weights* w = q->job->w;
     int64_t first = q->job->rows * (int64_t)shard / q->shards, last = q->job->rows * ((int64_t)shard + 1) / q->shards;
     for (int64_t r = first; r < last; r++)
-        quantize_row(w->k, q->x + r * w->k, q->codes + r * w->k, q->scale + r * w->blocks, q->code_sum + r * w->blocks);
+        quantize_row(w->k, q->x + r * w->k, q->codes + r * w->k, q->scale + r * w->blocks, q->code_sum + r * w->blocks,
+                     q->x_sum + r * w->blocks);
 }
 
 typedef void (*ParallelFor)(void* context, void (*fn)(void*, size_t), size_t total, void* data);
@@ -209,16 +248,17 @@ static int matmul(const Weights* w, const float* x, float* y, int64_t rows, Para
     int8_t* codes = malloc((size_t)rows * w->k);
     float* scales = malloc(sizeof(float) * (size_t)rows * w->blocks);
     int32_t* sums = malloc(sizeof(int32_t) * (size_t)rows * w->blocks);
-    if (!codes || !scales || !sums) { free(codes); free(scales); free(sums); return 0; }
+    float* x_sums = malloc(sizeof(float) * (size_t)rows * w->blocks);
+    if (!codes || !scales || !sums || !x_sums) { free(codes); free(scales); free(sums); free(x_sums); return 0; }
     Job job = {w, rows, (w->tiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK,
-               0, codes, scales, sums, y};
-    QuantizeJob quantize = {&job, x, codes, scales, sums, rows < 16 ? rows : 16};
+               0, codes, scales, sums, x_sums, y};
+    QuantizeJob quantize = {&job, x, codes, scales, sums, x_sums, rows < 16 ? rows : 16};
     if (rows >= 64) parallel(context, quantize_shard, (size_t)quantize.shards, &quantize);
     else for (int64_t s = 0; s < quantize.shards; s++) quantize_shard(&quantize, (size_t)s);
     int64_t items = job.chunks * job.items_per_chunk;
     job.shards = items < 32 ? items : 32;  /* enough to balance any thread count up to 32 */
-    parallel(context, run_shard, (size_t)job.shards, &job);
-    free(codes); free(scales); free(sums);
+    parallel(context, w->bits == 8 ? run_shard_8 : run_shard_4, (size_t)job.shards, &job);
+    free(codes); free(scales); free(sums); free(x_sums);
     return 1;
 }
 
@@ -309,16 +349,24 @@ typedef struct OrtCustomOp {
 
 typedef struct {
     Weights weights;
+    const char* name;
 } Kernel;
 
-static OrtStatus* constant_input(const OrtKernelInfo* info, size_t index, const OrtValue** value) {
+/* An error status naming the op: "ai.kiln::<op>: <what>". */
+static OrtStatus* op_error(int code, const char* op, const char* what) {
+    char message[512];
+    snprintf(message, sizeof message, "ai.kiln::%s: %s", op, what);
+    return error(code, message);  /* ONNX Runtime copies the message */
+}
+
+static OrtStatus* constant_input(const OrtKernelInfo* info, size_t index, const OrtValue** value, const char* op) {
     int is_constant = 0;
     *value = NULL;
     OrtStatus* status = CALL(API_KernelInfoGetConstantInput_tensor,
                              OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**))(info, index, &is_constant, value);
     if (status) return status;
     if (!is_constant || !*value)
-        return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: W must be an initializer");
+        return op_error(ORT_INVALID_ARGUMENT, op, "W must be an initializer");
     return NULL;
 }
 
@@ -329,17 +377,22 @@ static void* data_of(const OrtValue* value) {
     return data;
 }
 
+static const char* op_name(const OrtCustomOp* op);
+static int op_bits(const OrtCustomOp* op);
+
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
-    (void)op; (void)api_;
+    (void)api_;
+    const char* name = op_name(op);
+    int bits = op_bits(op);
     OrtStatus* status;
     int64_t k = 0, n = 0;
     if ((status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "K", &k)) ||
         (status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "N", &n)))
         return status;
     if (k <= 0 || n <= 0 || k % BLOCK || k > (1 << 24) || n > (1 << 24))
-        return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: K must be a multiple of 32, K and N from 1 to 2^24");
+        return op_error(ORT_INVALID_ARGUMENT, name, "K must be a multiple of 32, K and N from 1 to 2^24");
     const OrtValue* packed;
-    if ((status = constant_input(info, 1, &packed))) return status;
+    if ((status = constant_input(info, 1, &packed, name))) return status;
     OrtShapeInfo* shape = NULL;
     size_t size = 0;
     if ((status = CALL(API_GetTensorTypeAndShape, OrtStatus* (*)(const OrtValue*, OrtShapeInfo**))(packed, &shape))) return status;
@@ -347,12 +400,15 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
     if (status) return status;
     Kernel* kernel = calloc(1, sizeof(Kernel));
-    if (!kernel) return error(ORT_FAIL, "ai.kiln::MatMulInt8Blocks: out of memory");
-    kernel->weights = (Weights){k, n, k / BLOCK, (n + TILE - 1) / TILE, data_of(packed)};
-    if (!kernel->weights.packed || size != (size_t)(kernel->weights.tiles * kernel->weights.blocks * TILE_BLOCK_BYTES)) {
+    if (!kernel) return op_error(ORT_FAIL, name, "out of memory");
+    size_t block_bytes = bits == 8 ? TILE_BLOCK_BYTES_8 : TILE_BLOCK_BYTES_4;
+    kernel->weights = (Weights){k, n, k / BLOCK, (n + TILE - 1) / TILE, bits, block_bytes, data_of(packed)};
+    kernel->name = name;
+    if (!kernel->weights.packed || size != (size_t)(kernel->weights.tiles * kernel->weights.blocks) * block_bytes) {
         free(kernel);
-        return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: W is not K x N weights in this kernel's layout "
-                                           "(runtime/cpu_kernels.py, pack_int8_blocks)");
+        return op_error(ORT_INVALID_ARGUMENT, name, bits == 8
+            ? "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int8_blocks)"
+            : "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int4_blocks)");
     }
     *out = kernel;
     return NULL;
@@ -381,11 +437,11 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     size_t rank = 0;
     int64_t dims[8];
     status = CALL(API_GetDimensionsCount, OrtStatus* (*)(const OrtShapeInfo*, size_t*))(shape, &rank);
-    if (!status && (rank < 1 || rank > 8)) status = error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: A must have rank 1 to 8");
+    if (!status && (rank < 1 || rank > 8)) status = op_error(ORT_INVALID_ARGUMENT, kernel->name, "A must have rank 1 to 8");
     if (!status) status = CALL(API_GetDimensions, OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t))(shape, dims, rank);
     CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
     if (status) return status;
-    if (dims[rank - 1] != kernel->weights.k) return error(ORT_INVALID_ARGUMENT, "ai.kiln::MatMulInt8Blocks: A's last dimension is not K");
+    if (dims[rank - 1] != kernel->weights.k) return op_error(ORT_INVALID_ARGUMENT, kernel->name, "A's last dimension is not K");
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     dims[rank - 1] = kernel->weights.n;
@@ -395,13 +451,15 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     if (rows == 0) return NULL;
     const float* x = data_of(input);
     float* y = data_of(output);
-    if (!x || !y) return error(ORT_FAIL, "ai.kiln::MatMulInt8Blocks: no tensor data");
+    if (!x || !y) return op_error(ORT_FAIL, kernel->name, "no tensor data");
     if (!matmul(&kernel->weights, x, y, rows, ort_parallel, context))
-        return error(ORT_FAIL, "ai.kiln::MatMulInt8Blocks: out of memory");
+        return op_error(ORT_FAIL, kernel->name, "out of memory");
     return NULL;
 }
 
-static const char* op_name(const OrtCustomOp* op) { (void)op; return "MatMulInt8Blocks"; }
+static OrtCustomOp int4_blocks_op;
+static const char* op_name(const OrtCustomOp* op) { return op == &int4_blocks_op ? "MatMulInt4Blocks" : "MatMulInt8Blocks"; }
+static int op_bits(const OrtCustomOp* op) { return op == &int4_blocks_op ? 4 : 8; }
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return 2; }
@@ -412,6 +470,21 @@ static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (v
 static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
 static OrtCustomOp int8_blocks_op = {
+    .version = OP_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = input_characteristic,
+    .GetOutputCharacteristic = output_characteristic,
+    .GetInputMemoryType = input_memory,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+static OrtCustomOp int4_blocks_op = {
     .version = OP_VERSION,
     .GetName = op_name,
     .GetExecutionProviderType = op_provider,
@@ -454,6 +527,8 @@ static void setup(void) {
     OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
     if (!status)
         status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(made, &int8_blocks_op);
+    if (!status)
+        status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(made, &int4_blocks_op);
     if (status) {
         keep_error(status);
         if (made) CALL(API_ReleaseCustomOpDomain, void (*)(OrtCustomOpDomain*))(made);

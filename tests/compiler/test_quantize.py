@@ -167,7 +167,8 @@ def test_every_variant_is_measured_and_generates(quantized):
 
 
 def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantized, monkeypatch):
-    """Beside model.onnx, the same graph with each 8-bit MatMulNBits in blocks of 32 as Kiln's kernel,
+    """Beside model.onnx, the same graph with each 8-bit MatMulNBits in blocks of 32 as Kiln's kernel
+    (and a 4-bit variant's in blocks of 32 as its 4-bit one),
     over the same weights file, measured against eager under the variant's gates; the runtime runs it
     where the kernels run (runtime/cpu_kernels.py) and model.onnx elsewhere."""
     from runtime import cpu_kernels
@@ -208,7 +209,13 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     mixed = manifest["variants"]["cpu-int8-mixed"]  # blocks of 64 and 16: nothing for the kernel
     assert "kernel_model" not in mixed
     assert json.loads((quantized / mixed["report"]).read_text())["cpu_kernels"] == {
-        "nodes": 0, "why_not": "no 8-bit MatMulNBits in blocks of 32 with int8 activations in the graph"}
+        "nodes": 0, "why_not": "no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations in the graph"}
+
+    gptq = manifest["variants"]["cpu-int4-gptq"]  # 4 bits in blocks of 32: MatMulInt4Blocks
+    kernel_ops = [n.op_type for n in onnx.load(str(quantized / gptq["kernel_model"]), load_external_data=False).graph.node]
+    assert kernel_ops.count(cpu_kernels.INT4_BLOCKS_OP) == json.loads(
+        (quantized / gptq["report"]).read_text())["cpu_kernels"]["nodes"] > 0
+    assert "MatMulNBits" not in kernel_ops
 
 
 def test_missed_gate_fails_the_compile_with_its_numbers(tiny_checkpoints, tmp_path):
@@ -425,6 +432,27 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
         assert error(model, i) < 0.01
         if bits == 4:
             assert error(rounded.model.model, i) > 5 * error(model, i)
+
+    # Kiln's 4-bit kernel takes each node as one op on x alone, the correction as the blocks' offsets
+    # times x's exact block sums: the block means' nodes go, and the error stays that of MatMulNBits.
+    from compiler.export import OnnxArtifact
+    from compiler.optimize import kernel_graph
+    from runtime import cpu_kernels
+
+    library = cpu_kernels.library()[0]
+    if bits == 8 or library is None:
+        return
+    (tmp_path / "graph").mkdir()
+    onnx.save(model, str(tmp_path / "graph" / "model.onnx"))
+    built, count = kernel_graph(OnnxArtifact(tmp_path / "graph", {}, None, 0, ["model.onnx"]), tmp_path / "kernels")
+    kernels = onnx.load(str(built.model_path))
+    assert count == 2 and [nd.op_type for nd in kernels.graph.node] == ["MatMulInt4Blocks"] * 2 + ["MatMul"]
+    assert [nd.input[0] for nd in kernels.graph.node] == ["x"] * 3
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    out = ort.InferenceSession(str(built.model_path), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for i in range(2):
+        assert np.abs(out[i] - x @ weights[i]).max() / np.abs(x @ weights[i]).max() < 1.2 * error(model, i)
 
 
 @pytest.mark.parametrize("variant", ["cpu-int8", "cpu-int8 on MLAS", "cpu-int4", "cpu-int4-gptq"])

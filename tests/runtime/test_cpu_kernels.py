@@ -102,3 +102,61 @@ def test_a_nan_activation_gives_nan_outputs_not_numbers():
     x[0, 0, 40] = np.nan
     y = kiln.run(None, {"A": x})[0]
     assert np.isnan(y[0, 0]).all() and np.isfinite(y[0, 1]).all()
+
+
+def int4_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+                 offsets: np.ndarray) -> ort.InferenceSession:
+    n, blocks, _ = codes.shape
+    k = blocks * 32
+    node = helper.make_node(cpu_kernels.INT4_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
+    weights = [numpy_helper.from_array(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), "W")]
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", n])], weights)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    options.register_custom_ops_library(str(LIBRARY))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+                   offsets: np.ndarray) -> np.ndarray:
+    """What MatMulInt4Blocks computes, in float64: the activations quantized per block of 32 as MLAS
+    quantizes them (scale max|x| / 127, rounded to nearest even) times d * (q - z), plus m times the
+    block's exact sum."""
+    n, blocks, _ = codes.shape
+    xb = x.reshape(-1, blocks, 32)
+    amax = np.abs(xb).max(-1, keepdims=True)
+    inverse = np.where(amax > 0, np.float32(127) / np.maximum(amax, np.float32(1e-30)), 0).astype(np.float32)
+    q = np.clip(np.rint(xb * inverse), -127, 127)
+    a_scale = (amax / np.float32(127)).astype(np.float64)[..., 0]  # [rows, blocks]
+    centered = codes.astype(np.float64) - zero_points[..., None]
+    dots = np.einsum("rbk,nbk->rbn", q, centered)
+    y = (dots * a_scale[..., None] * scales.T[None].astype(np.float64)).sum(1)
+    y += np.einsum("rb,nb->rn", xb.astype(np.float64).sum(-1), offsets.astype(np.float64))
+    return y.reshape(*x.shape[:-1], n)
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, n", [(64, 40), (576, 960), (1536, 70)])
+def test_the_4bit_kernel_computes_its_blocks_and_each_row_alone_the_same(k, n):
+    rng = np.random.default_rng(k * n)
+    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
+    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
+    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float32)  # at most half a step
+    kiln = int4_session(codes, scales, zero_points, offsets)
+    for rows in (1, 3, 9, 70, 130):
+        x = rng.standard_normal((1, rows, k)).astype(np.float32)
+        x[0, 0, :32] = 0
+        expected, got = int4_reference(x, codes, scales, zero_points, offsets), kiln.run(None, {"A": x})[0]
+        assert got.shape == (1, rows, n)
+        assert np.abs(got - expected).max() <= 2e-6 * np.abs(expected).max()
+        alone = np.concatenate([kiln.run(None, {"A": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
+        assert np.array_equal(alone, got)
+
+
+def test_4bit_codes_past_15_are_refused():
+    with pytest.raises(ValueError, match="0 to 15"):
+        cpu_kernels.pack_int4_blocks(np.full((16, 1, 32), 16, np.uint8), np.ones((16, 1)), np.zeros((16, 1), np.uint8),
+                                     np.zeros((16, 1)))
