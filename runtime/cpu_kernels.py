@@ -89,20 +89,23 @@ def pack_int4_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     """4-bit weights w = scale * (code - zero point) + offset (codes [N, K/32, 32] of 0..15, the others
     [N, K/32]) in MatMulInt4Blocks' layout (int8_blocks.c): for each tile of 16 columns and block of 32
     rows, pack_int8_blocks' 8 groups of codes with group j in the low nibbles and group j + 4 in the
-    high ones (256 bytes), the 16 scales and 16 offsets (fp32), the 16 zero points. Columns past N, to
+    high ones (256 bytes), the 16 scales and 16 offsets (fp16), the 16 zero points. Columns past N, to
     a whole tile, get scale and offset 0."""
     n, blocks, size = codes.shape
     if size != 32:
         raise ValueError(f"codes in blocks of {size}; the kernel takes blocks of 32")
     if max(codes.max(initial=0), np.max(zero_points, initial=0)) > 15:
         raise ValueError("4-bit codes and zero points must be 0 to 15")
+    if not (np.isfinite(scales).all() and np.isfinite(offsets).all()
+            and np.abs(scales).max(initial=0) <= 65504 and np.abs(offsets).max(initial=0) <= 65504):
+        raise ValueError("4-bit scales and offsets must be finite and within fp16's range (|x| <= 65504)")
     tiles = -(-n // 16)
     padded = np.zeros((tiles * 16, blocks, 32), np.uint8)
     padded[:n] = codes
     groups = _code_groups(padded, tiles)  # [tiles, blocks, 8, 64]
     nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)
     columns = []
-    for values, dtype in ((scales, np.float32), (offsets, np.float32), (zero_points, np.uint8)):
+    for values, dtype in ((scales, np.float16), (offsets, np.float16), (zero_points, np.uint8)):
         column = np.zeros((tiles * 16, blocks), dtype)
         column[:n] = np.asarray(values).reshape(n, blocks)
         columns.append(column.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8))

@@ -123,7 +123,7 @@ def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_po
                    offsets: np.ndarray) -> np.ndarray:
     """What MatMulInt4Blocks computes, in float64: the activations quantized per block of 32 as MLAS
     quantizes them (scale max|x| / 127, rounded to nearest even) times d * (q - z), plus m times the
-    block's exact sum."""
+    block's exact sum; d and m as the kernel holds them, in fp16."""
     n, blocks, _ = codes.shape
     xb = x.reshape(-1, blocks, 32)
     amax = np.abs(xb).max(-1, keepdims=True)
@@ -132,8 +132,8 @@ def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_po
     a_scale = (amax / np.float32(127)).astype(np.float64)[..., 0]  # [rows, blocks]
     centered = codes.astype(np.float64) - zero_points[..., None]
     dots = np.einsum("rbk,nbk->rbn", q, centered)
-    y = (dots * a_scale[..., None] * scales.T[None].astype(np.float64)).sum(1)
-    y += np.einsum("rb,nb->rn", xb.astype(np.float64).sum(-1), offsets.astype(np.float64))
+    y = (dots * a_scale[..., None] * scales.T[None].astype(np.float16).astype(np.float64)).sum(1)
+    y += np.einsum("rb,nb->rn", xb.astype(np.float64).sum(-1), offsets.astype(np.float16).astype(np.float64))
     return y.reshape(*x.shape[:-1], n)
 
 
@@ -156,7 +156,9 @@ def test_the_4bit_kernel_computes_its_blocks_and_each_row_alone_the_same(k, n):
         assert np.array_equal(alone, got)
 
 
-def test_4bit_codes_past_15_are_refused():
+def test_4bit_codes_past_15_and_scales_past_fp16_are_refused():
+    codes, ones, zeros = np.full((16, 1, 32), 15, np.uint8), np.ones((16, 1)), np.zeros((16, 1), np.uint8)
     with pytest.raises(ValueError, match="0 to 15"):
-        cpu_kernels.pack_int4_blocks(np.full((16, 1, 32), 16, np.uint8), np.ones((16, 1)), np.zeros((16, 1), np.uint8),
-                                     np.zeros((16, 1)))
+        cpu_kernels.pack_int4_blocks(codes + 1, ones, zeros, ones)
+    with pytest.raises(ValueError, match="fp16's range"):
+        cpu_kernels.pack_int4_blocks(codes, ones * 1e5, zeros, ones)
