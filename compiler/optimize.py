@@ -157,7 +157,9 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     A 4-bit node that reads its activations' block means beside them (a Q4_1 grid's zero-point
     correction, compiler/quantize.py _encode_int4_grid) becomes one node on the activations alone: the
     correction's weights become the blocks' offsets, times the exact block sums rather than int8 codes
-    of their means, and the AveragePool and Concat that fed it go where nothing else reads them.
+    of their means, and the AveragePool and Concat that fed it go where nothing else reads them. A node
+    whose output is only split in halves for a SwiGLU (silu(first) * second: pack_matmuls' gate/up)
+    computes that itself (`gated`), bit for bit what the Split, Sigmoid and two Muls it replaces wrote.
 
     The caller measures it against eager as it measures `graph`: the kernel rounds each activation as
     MLAS does but sums in another order, and int8 activations carry a last-bit difference into other
@@ -172,6 +174,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     producers = {output: node for node in proto.graph.node for output in node.output}
     eligible = [(node, made) for node in proto.graph.node
                 if (made := _kernel_node(node, initializers, producers)) is not None]
+    readers: dict[str, list[Any]] = {}
+    for node in proto.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    graph_outputs = {output.name for output in proto.graph.output}
+    gated = {node.name: found for node, _ in eligible
+             if (found := _swiglu_after(node, readers, initializers, graph_outputs)) is not None}
     if not eligible:
         return None, "no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations in the graph"
     folder.mkdir(parents=True)
@@ -183,6 +192,11 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
         for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
                        for name in [*node.input[1:4], ""][:3]]
+            if node.name in gated:  # tiles alternate gate and up
+                half = made.n // 2
+                order = np.arange(half).reshape(-1, 16)
+                columns = np.concatenate([order, order + half], axis=1).reshape(-1)
+                weights = [None if w is None else w.reshape(made.n, -1)[columns].reshape(w.shape) for w in weights]
             packed = made.pack(*weights)
             data.write(b"\0" * (-data.tell() % 4096))  # page-aligned: ONNX Runtime can map it in place
             tensor = onnx.TensorProto(name=f"int{made.bits}_blocks.{number}.{node.name}",
@@ -197,6 +211,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
             node.input[:] = [made.activation, tensor.name]
             del node.attribute[:]
             node.attribute.extend([onnx.helper.make_attribute("K", made.k), onnx.helper.make_attribute("N", made.n)])
+            if node.name in gated:
+                output, replaced_nodes = gated[node.name]
+                node.output[0] = output
+                node.attribute.append(onnx.helper.make_attribute("gated", 1))
+                for gone in replaced_nodes:
+                    replaced.update(name for name in gone.input if name in initializers)  # the Split's sizes
+                    proto.graph.node.remove(gone)
     bypassed = {name for _, made in eligible for name in made.bypassed}
     while True:  # the block means' nodes that no node reads any more, the Concat first
         read = _names_read(proto.graph) | {output.name for output in proto.graph.output}
@@ -263,6 +284,44 @@ def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, A
     return KernelNode(INT4_BLOCKS_OP, 4, joined.input[0], width, n,
                       lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, width),
                       (joined.name, pooled.name))
+
+
+def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[str, Any],
+                  graph_outputs: set[str]) -> tuple[str, list[Any]] | None:
+    """Where `node`'s output is read only by a Split into two equal halves of a multiple of 16 columns,
+    the first read only by Sigmoid and Mul (SiLU) and both only by one Mul of the SiLU and the second:
+    that Mul's output and the four nodes. Else None."""
+    import onnx
+    from onnx import numpy_helper
+
+    def only(name: str, count: int = 1) -> list[Any] | None:
+        found = readers.get(name, [])
+        return found if len(found) == count and name not in graph_outputs else None
+
+    split = only(node.output[0])
+    if split is None or split[0].op_type != "Split" or len(split[0].output) != 2:
+        return None
+    split = split[0]
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in split.attribute}
+    n = {a.name: a.i for a in node.attribute}["N"]
+    sizes = (numpy_helper.to_array(initializers[split.input[1]]).tolist()
+             if len(split.input) > 1 and split.input[1] in initializers else attributes.get("split"))
+    if attributes.get("axis", 0) not in (-1, 2) or n % 32 or (sizes is not None and list(sizes) != [n // 2] * 2):
+        return None
+    gate, up = split.output
+    gate_readers = only(gate, 2)
+    if gate_readers is None:
+        return None
+    sigmoid = next((r for r in gate_readers if r.op_type == "Sigmoid"), None)
+    silu = next((r for r in gate_readers if r.op_type == "Mul"), None)
+    if sigmoid is None or silu is None or only(sigmoid.output[0]) != [silu] \
+            or sorted(silu.input) != sorted([gate, sigmoid.output[0]]):
+        return None
+    product = only(silu.output[0])
+    if product is None or product[0].op_type != "Mul" or only(up) != product \
+            or sorted(product[0].input) != sorted([silu.output[0], up]):
+        return None
+    return product[0].output[0], [split, sigmoid, silu, product[0]]
 
 
 def _pack_int4(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,

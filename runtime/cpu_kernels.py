@@ -5,7 +5,9 @@ a second graph beside model.onnx, KERNEL_MODEL_FILE: the same graph with those n
 ai.kiln::MatMulInt8Blocks or MatMulInt4Blocks over the same weights packed in the kernels' layout
 (KERNEL_DATA_FILE; every other weight read from model.onnx.data), so that AVX-512 VNNI instructions
 work on 16 output columns at once; a 4-bit node that reads its activations' block means beside them
-(a Q4_1 grid's correction) reads the activations alone, the correction folded into its weights. The
+(a Q4_1 grid's correction) reads the activations alone, the correction folded into its weights, and a
+SwiGLU's gate/up projection writes silu(gate) * up itself (`gated`: bit for bit the Split, SiLU and
+Mul it replaces, three nodes a layer fewer). The
 kernels round each activation as MLAS does but sum in another order, and int8 activations carry a
 last-bit difference into other roundings a layer later, so the compiler measures the graph against
 eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the

@@ -174,3 +174,68 @@ def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, f
     with pytest.raises(TensorRTIncompatible, match="com.microsoft::GroupQueryAttention .domain com.microsoft"):
         check_tensorrt_graph(ir.load(str(tiny_artifacts[family] / fused["model"])))
     assert compare_graphs(exported, graph)["max_abs_logit_error"] == 0.0
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_a_kernels_graph_folds_the_swiglu_after_a_gate_up_projection_bit_for_bit(bits, tmp_path, monkeypatch):
+    """MatMulNBits -> Split in halves -> silu(first) * second (pack_matmuls' gate/up, Sigmoid and Mul
+    as exported) becomes one gated kernel node, whose outputs equal, bit for bit, the kernel node's
+    followed by ONNX Runtime's Split, Sigmoid (QuickGelu once fused) and Mul; a half read by anything
+    else is left alone."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from compiler import optimize as optimize_module
+    from compiler.optimize import kernel_graph
+    from runtime import cpu_kernels
+
+    library = cpu_kernels.library()[0]
+    if library is None:
+        pytest.skip("Kiln's CPU kernels do not run on this machine")
+    rng = np.random.default_rng(bits)
+    k, half = 64, 48
+    blocks, per_byte = k // 32, 8 // bits
+    codes = rng.integers(0, 256, (2 * half, blocks, 32 // per_byte), dtype=np.uint8)
+    scales = (rng.random(2 * half * blocks) * 0.05 + 0.01).astype(np.float32)
+    nodes = [helper.make_node("MatMulNBits", ["x", "B", "S"], ["y"], name="gate_up", domain="com.microsoft",
+                              K=k, N=2 * half, bits=bits, block_size=32, accuracy_level=4),
+             helper.make_node("Split", ["y", "sizes"], ["g", "u"], name="split", axis=-1),
+             helper.make_node("Sigmoid", ["g"], ["s"], name="sigmoid"),
+             helper.make_node("Mul", ["g", "s"], ["silu"], name="silu"),
+             helper.make_node("Mul", ["silu", "u"], ["out"], name="product")]
+    initializers = [numpy_helper.from_array(codes, "B"), numpy_helper.from_array(scales, "S"),
+                    numpy_helper.from_array(np.array([half, half], np.int64), "sizes")]
+    graph = helper.make_graph(nodes, "g", [onnx.helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, "s", k])],
+                              [onnx.helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1, "s", half])],
+                              initializers)
+    (tmp_path / "graph").mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                       helper.make_opsetid("com.microsoft", 1)]),
+              str(tmp_path / "graph" / "model.onnx"))
+    source = OnnxArtifact(tmp_path / "graph", {}, None, 0, ["model.onnx"])
+
+    def run(folder):
+        built, count = kernel_graph(source, folder)
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(str(library))
+        session = ort.InferenceSession(str(built.model_path), options, providers=["CPUExecutionProvider"])
+        ops = [n.op_type for n in onnx.load(str(built.model_path)).graph.node]
+        return [session.run(None, {"x": x})[0] for x in inputs], ops
+
+    inputs = [rng.standard_normal((1, rows, k)).astype(np.float32) * 4 for rows in (1, 9, 70)]
+    fused, fused_ops = run(tmp_path / "fused")
+    assert fused_ops == [cpu_kernels.INT8_BLOCKS_OP if bits == 8 else cpu_kernels.INT4_BLOCKS_OP]
+    monkeypatch.setattr(optimize_module, "_swiglu_after", lambda *args: None)
+    unfused, unfused_ops = run(tmp_path / "unfused")
+    assert unfused_ops[1:] == ["Split", "Sigmoid", "Mul", "Mul"]
+    for a, b in zip(fused, unfused, strict=True):
+        assert a.shape == b.shape and np.array_equal(a, b)
+    monkeypatch.undo()
+
+    # a half read by anything else (here the graph's caller): left as it is
+    outputs = [*graph.output, onnx.helper.make_tensor_value_info("u", onnx.TensorProto.FLOAT, [1, "s", half])]
+    graph = helper.make_graph(nodes, "g", list(graph.input), outputs, initializers)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                       helper.make_opsetid("com.microsoft", 1)]),
+              str(tmp_path / "graph" / "model.onnx"))
+    assert run(tmp_path / "also_read")[1][1:] == ["Split", "Sigmoid", "Mul", "Mul"]

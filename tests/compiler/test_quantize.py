@@ -190,6 +190,7 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     ops = [(n.domain, n.op_type) for n in kernel_graph.graph.node]
     assert ops.count((cpu_kernels.DOMAIN, cpu_kernels.INT8_BLOCKS_OP)) == len(eligible)
     assert ("com.microsoft", "MatMulNBits") not in ops
+    assert ("", "Split") not in ops and ("", "Sigmoid") not in ops  # the gate/up's SwiGLU folded into the kernel
     packed = {n.input[1] for n in kernel_graph.graph.node if n.domain == cpu_kernels.DOMAIN}
     locations = {i.name: d.value for i in kernel_graph.graph.initializer for d in i.external_data if d.key == "location"}
     # The packed weights in a file of their own, every other weight read from model.onnx's file
