@@ -488,36 +488,24 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (vo
 static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
 static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
-static OrtCustomOp int8_blocks_op = {
-    .version = OP_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = input_characteristic,
-    .GetOutputCharacteristic = output_characteristic,
-    .GetInputMemoryType = input_memory,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
-static OrtCustomOp int4_blocks_op = {
-    .version = OP_VERSION,
-    .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
-    .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
-    .GetInputCharacteristic = input_characteristic,
-    .GetOutputCharacteristic = output_characteristic,
-    .GetInputMemoryType = input_memory,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
+/* The two ops differ only in what op_name and op_bits return for them. */
+#define BLOCKS_OP {                                  \
+    .version = OP_VERSION,                           \
+    .GetName = op_name,                              \
+    .GetExecutionProviderType = op_provider,         \
+    .GetInputType = input_type,                      \
+    .GetInputTypeCount = input_count,                \
+    .GetOutputType = output_type,                    \
+    .GetOutputTypeCount = output_count,              \
+    .KernelDestroy = destroy_kernel,                 \
+    .GetInputCharacteristic = input_characteristic,  \
+    .GetOutputCharacteristic = output_characteristic,\
+    .GetInputMemoryType = input_memory,              \
+    .CreateKernelV2 = create_kernel,                 \
+    .KernelComputeV2 = compute,                      \
+}
+static OrtCustomOp int8_blocks_op = BLOCKS_OP;
+static OrtCustomOp int4_blocks_op = BLOCKS_OP;
 
 /* Set up once for every session in the process: the API table, the CPU check, the domain with its op.
    The domain is published only whole; a failure is kept as a message and reported to each caller. */
