@@ -178,9 +178,12 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     for node in proto.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
-    graph_outputs = {output.name for output in proto.graph.output}
+    # read from outside the node list: by the graph's caller, or inside a subgraph (an If's branches)
+    outside = {output.name for output in proto.graph.output} | {
+        name for node in proto.graph.node for a in node.attribute
+        for subgraph in [a.g] * a.HasField("g") + list(a.graphs) for name in _names_read(subgraph)}
     gated = {node.name: found for node, _ in eligible
-             if (found := _swiglu_after(node, readers, initializers, graph_outputs)) is not None}
+             if (found := _swiglu_after(node, readers, initializers, outside)) is not None}
     if not eligible:
         return None, "no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations in the graph"
     folder.mkdir(parents=True)
@@ -287,7 +290,7 @@ def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, A
 
 
 def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[str, Any],
-                  graph_outputs: set[str]) -> tuple[str, list[Any]] | None:
+                  outside: set[str]) -> tuple[str, list[Any]] | None:
     """Where `node`'s output is read only by a Split into two equal halves of a multiple of 16 columns,
     the first read only by Sigmoid and Mul (SiLU) and both only by one Mul of the SiLU and the second:
     that Mul's output and the four nodes. Else None."""
@@ -296,7 +299,7 @@ def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[s
 
     def only(name: str, count: int = 1) -> list[Any] | None:
         found = readers.get(name, [])
-        return found if len(found) == count and name not in graph_outputs else None
+        return found if len(found) == count and name not in outside else None
 
     split = only(node.output[0])
     if split is None or split[0].op_type != "Split" or len(split[0].output) != 2:
