@@ -266,8 +266,7 @@ def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, A
             or not all(name in initializers for name in node.input[1:4] if name)):
         return None
     if bits == 8 and k % 32 == 0:
-        return KernelNode(INT8_BLOCKS_OP, 8, node.input[0], k, n,
-                          lambda codes, scales, zero_points: pack_int8_blocks(codes, scales, zero_points))
+        return KernelNode(INT8_BLOCKS_OP, 8, node.input[0], k, n, pack_int8_blocks)
     if bits != 4:
         return None
     if k % 32 == 0:

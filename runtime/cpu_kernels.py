@@ -7,17 +7,18 @@ ai.kiln::MatMulInt8Blocks or MatMulInt4Blocks over the same weights packed in th
 work on 16 output columns at once; a 4-bit node that reads its activations' block means beside them
 (a Q4_1 grid's correction) reads the activations alone, the correction folded into its weights, and a
 SwiGLU's gate/up projection writes silu(gate) * up itself (`gated`: bit for bit the Split, SiLU and
-Mul it replaces, three nodes a layer fewer). The
-kernels round each activation as MLAS does but sum in another order, and int8 activations carry a
-last-bit difference into other roundings a layer later, so the compiler measures the graph against
-eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the
-manifest names it as the variant's `kernel_model`. A CPU host runs it where the library was built at
-install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI; anywhere else,
-or with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which every ONNX Runtime opens.
+Mul it replaces, three nodes a layer fewer). The kernels round each activation as MLAS does but sum
+in another order, and int8 activations carry a last-bit difference into other roundings a layer
+later, so the compiler measures the graph against eager under the variant's gates as it measures
+model.onnx, and ships it only where it passes; the manifest names it as the variant's `kernel_model`.
+A CPU host runs it where the library was built at install (setup.py; a host without a C compiler
+skips it) and the CPU has AVX-512 VNNI; anywhere else, or with KILN_CPU_KERNELS=0, the runtime runs
+model.onnx, which every ONNX Runtime opens.
 
-Measured on SmolLM2-135M (2 threads, AMD EPYC with AVX-512 VNNI, bench/ab_step.py): at one row both
-widths read the weights at about the memory's rate (8 bits level with MLAS; 4 bits, which MLAS
-unpacks more slowly, 1.1x), and from 32 rows up MLAS is bound by its per-block work (1.4x to 1.7x).
+Measured on SmolLM2-135M (2 threads, AMD EPYC with AVX-512 VNNI, bench/ab_step.py --alone): a
+batch-1 decode step 1.13x MLAS's at 8 bits, where both read the weights at about the memory's rate,
+and 1.6x at 4 bits, which MLAS unpacks more slowly; from 32 rows up MLAS is bound by its per-block
+work (1.4x to 1.7x).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import functools
 import os
 from importlib.machinery import EXTENSION_SUFFIXES
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -71,19 +73,11 @@ def pack_int8_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     n, blocks, size = codes.shape
     if size != 32:
         raise ValueError(f"codes in blocks of {size}; the kernel takes blocks of 32")
-    tiles = -(-n // 16)
     zero_points = np.full(n * blocks, 128, np.uint8) if zero_points is None else zero_points
-    padded = np.zeros((tiles * 16, blocks, 32), np.uint8)
-    padded[:n] = codes
-    scale = np.zeros((tiles * 16, blocks), np.float32)
-    scale[:n] = scales.reshape(n, blocks)
-    zero = np.zeros((tiles * 16, blocks), np.uint8)
-    zero[:n] = zero_points.reshape(n, -1)[:, :blocks]
-    return np.concatenate([
-        _code_groups(padded, tiles).reshape(tiles, blocks, 512),
-        scale.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8),
-        zero.reshape(tiles, 16, blocks).transpose(0, 2, 1),
-    ], axis=2).reshape(-1)
+    groups = _code_groups(codes)
+    tiles = len(groups)
+    return np.concatenate([groups.reshape(tiles, blocks, 512), _tile_columns(scales, n, blocks, tiles, np.float32),
+                           _tile_columns(zero_points, n, blocks, tiles, np.uint8)], axis=2).reshape(-1)
 
 
 def pack_int4_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
@@ -101,21 +95,29 @@ def pack_int4_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     if not (np.isfinite(scales).all() and np.isfinite(offsets).all()
             and np.abs(scales).max(initial=0) <= 65504 and np.abs(offsets).max(initial=0) <= 65504):
         raise ValueError("4-bit scales and offsets must be finite and within fp16's range (|x| <= 65504)")
+    groups = _code_groups(codes)
+    tiles = len(groups)
+    nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)
+    return np.concatenate([nibbles.reshape(tiles, blocks, 256),
+                           *(_tile_columns(values, n, blocks, tiles, dtype) for values, dtype in
+                             ((scales, np.float16), (offsets, np.float16), (zero_points, np.uint8)))],
+                          axis=2).reshape(-1)
+
+
+def _code_groups(codes: np.ndarray) -> np.ndarray:
+    """Codes [N, blocks, 32] as [tiles, blocks, 8, 64], N padded with zeros to whole tiles of 16: per
+    group of 4 rows, 16 columns of 4 bytes, what one VNNI instruction multiplies."""
+    n, blocks, _ = codes.shape
     tiles = -(-n // 16)
     padded = np.zeros((tiles * 16, blocks, 32), np.uint8)
     padded[:n] = codes
-    groups = _code_groups(padded, tiles)  # [tiles, blocks, 8, 64]
-    nibbles = groups[:, :, :4] | (groups[:, :, 4:] << 4)
-    columns = []
-    for values, dtype in ((scales, np.float16), (offsets, np.float16), (zero_points, np.uint8)):
-        column = np.zeros((tiles * 16, blocks), dtype)
-        column[:n] = np.asarray(values).reshape(n, blocks)
-        columns.append(column.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8))
-    return np.concatenate([nibbles.reshape(tiles, blocks, 256), *columns], axis=2).reshape(-1)
+    return padded.reshape(tiles, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 8, 64)
 
 
-def _code_groups(codes: np.ndarray, tiles: int) -> np.ndarray:
-    """Codes [tiles * 16, blocks, 32] as [tiles, blocks, 8, 64]: per group of 4 rows, 16 columns of 4
-    bytes, what one VNNI instruction multiplies."""
-    blocks = codes.shape[1]
-    return codes.reshape(tiles, 16, blocks, 8, 4).transpose(0, 2, 3, 1, 4).reshape(tiles, blocks, 8, 64)
+def _tile_columns(values: np.ndarray, n: int, blocks: int, tiles: int, dtype: Any) -> np.ndarray:
+    """One value per column and block ([N * blocks], or per column more than `blocks`, the first ones
+    kept) as `dtype`, as each tile's block holds them: [tiles, blocks, 16 values' bytes], columns past
+    N zero."""
+    column = np.zeros((tiles * 16, blocks), dtype)
+    column[:n] = np.asarray(values).reshape(n, -1)[:, :blocks]
+    return column.reshape(tiles, 16, blocks).transpose(0, 2, 1).copy().view(np.uint8)

@@ -360,8 +360,9 @@ typedef struct OrtCustomOp {
 
 typedef struct {
     Weights weights;
-    const char* name;
 } Kernel;
+
+static const char* name_for_bits(int bits) { return bits == 4 ? "MatMulInt4Blocks" : "MatMulInt8Blocks"; }
 
 /* An error status naming the op: "ai.kiln::<op>: <what>". */
 static OrtStatus* op_error(int code, const char* op, const char* what) {
@@ -388,13 +389,12 @@ static void* data_of(const OrtValue* value) {
     return data;
 }
 
-static const char* op_name(const OrtCustomOp* op);
 static int op_bits(const OrtCustomOp* op);
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
     (void)api_;
-    const char* name = op_name(op);
     int bits = op_bits(op);
+    const char* name = name_for_bits(bits);
     OrtStatus* status;
     int64_t k = 0, n = 0;
     if ((status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "K", &k)) ||
@@ -422,7 +422,6 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     size_t block_bytes = bits == 8 ? TILE_BLOCK_BYTES_8 : TILE_BLOCK_BYTES_4;
     kernel->weights = (Weights){k, n, k / BLOCK, (n + TILE - 1) / TILE, gated ? n / 2 : n, bits, (int)gated, block_bytes,
                                 data_of(packed)};
-    kernel->name = name;
     if (!kernel->weights.packed || size != (size_t)(kernel->weights.tiles * kernel->weights.blocks) * block_bytes) {
         free(kernel);
         return op_error(ORT_INVALID_ARGUMENT, name, bits == 8
@@ -446,6 +445,7 @@ static void ort_parallel(void* context, void (*fn)(void*, size_t), size_t total,
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
+    const char* name = name_for_bits(kernel->weights.bits);
     const OrtValue* input = NULL;
     OrtValue* output = NULL;
     OrtShapeInfo* shape = NULL;
@@ -456,11 +456,11 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     size_t rank = 0;
     int64_t dims[8];
     status = CALL(API_GetDimensionsCount, OrtStatus* (*)(const OrtShapeInfo*, size_t*))(shape, &rank);
-    if (!status && (rank < 1 || rank > 8)) status = op_error(ORT_INVALID_ARGUMENT, kernel->name, "A must have rank 1 to 8");
+    if (!status && (rank < 1 || rank > 8)) status = op_error(ORT_INVALID_ARGUMENT, name, "A must have rank 1 to 8");
     if (!status) status = CALL(API_GetDimensions, OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t))(shape, dims, rank);
     CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
     if (status) return status;
-    if (dims[rank - 1] != kernel->weights.k) return op_error(ORT_INVALID_ARGUMENT, kernel->name, "A's last dimension is not K");
+    if (dims[rank - 1] != kernel->weights.k) return op_error(ORT_INVALID_ARGUMENT, name, "A's last dimension is not K");
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     dims[rank - 1] = kernel->weights.n_out;
@@ -470,15 +470,15 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     if (rows == 0) return NULL;
     const float* x = data_of(input);
     float* y = data_of(output);
-    if (!x || !y) return op_error(ORT_FAIL, kernel->name, "no tensor data");
+    if (!x || !y) return op_error(ORT_FAIL, name, "no tensor data");
     if (!matmul(&kernel->weights, x, y, rows, ort_parallel, context))
-        return op_error(ORT_FAIL, kernel->name, "out of memory");
+        return op_error(ORT_FAIL, name, "out of memory");
     return NULL;
 }
 
 static OrtCustomOp int4_blocks_op;
-static const char* op_name(const OrtCustomOp* op) { return op == &int4_blocks_op ? "MatMulInt4Blocks" : "MatMulInt8Blocks"; }
 static int op_bits(const OrtCustomOp* op) { return op == &int4_blocks_op ? 4 : 8; }
+static const char* op_name(const OrtCustomOp* op) { return name_for_bits(op_bits(op)); }
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return 2; }
@@ -488,7 +488,7 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (vo
 static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
 static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
-/* The two ops differ only in what op_name and op_bits return for them. */
+/* The two ops differ only in what op_bits returns for them. */
 #define BLOCKS_OP {                                  \
     .version = OP_VERSION,                           \
     .GetName = op_name,                              \

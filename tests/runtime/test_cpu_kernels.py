@@ -28,12 +28,18 @@ def session(op: str, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     else:
         node = helper.make_node(cpu_kernels.INT8_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
         weights = [numpy_helper.from_array(cpu_kernels.pack_int8_blocks(codes, scales, zero_points), "W")]
+    return one_node_session(node, weights, k, n)
+
+
+def one_node_session(node, weights: list, k: int, n: int) -> ort.InferenceSession:
+    """A session of `node` alone, A [b, s, K] -> Y [b, s, N], 2 threads, Kiln's library registered for
+    its ops."""
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", n])], weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = 2
-    if op != "MatMulNBits":
+    if node.domain == cpu_kernels.DOMAIN:
         options.register_custom_ops_library(str(LIBRARY))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
 
@@ -110,13 +116,7 @@ def int4_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
     k = blocks * 32
     node = helper.make_node(cpu_kernels.INT4_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
     weights = [numpy_helper.from_array(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), "W")]
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", n])], weights)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
-    options.register_custom_ops_library(str(LIBRARY))
-    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    return one_node_session(node, weights, k, n)
 
 
 def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
