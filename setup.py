@@ -1,5 +1,6 @@
-"""Kiln's CPU kernels (runtime/kernels/*.c), built into a shared library that ONNX Runtime loads as a
-custom-op library (runtime/cpu_kernels.py). Everything else about the package is in pyproject.toml.
+"""Kiln's CPU kernels (runtime/kernels/*.c: matmuls of int8 and int4 blocks, attention), built into a
+shared library that ONNX Runtime loads as a custom-op library (runtime/cpu_kernels.py).
+Everything else about the package is in pyproject.toml.
 
 The build is optional: a host without a C compiler, or with a CPU other than x86-64, installs Kiln
 without it, and the runtime runs each variant's standard graph (model.onnx) instead."""
@@ -11,5 +12,7 @@ from setuptools import Extension, setup
 X86 = platform.machine().lower() in ("x86_64", "amd64")
 FLAGS = ["-O3", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]
 
-setup(ext_modules=[Extension("runtime._cpu_kernels", ["runtime/kernels/int8_blocks.c"], extra_compile_args=FLAGS,
-                             extra_link_args=["-pthread"], optional=True)] if X86 else [])
+SOURCES = [f"runtime/kernels/{name}.c" for name in ("library", "int8_blocks", "attention")]
+
+setup(ext_modules=[Extension("runtime._cpu_kernels", SOURCES, depends=["runtime/kernels/ort_api.h"],
+                             extra_compile_args=FLAGS, extra_link_args=["-pthread"], optional=True)] if X86 else [])

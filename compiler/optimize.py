@@ -15,6 +15,7 @@ of the export stage fails the compile.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -150,9 +151,10 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
 def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None, int | str]:
     """The graph for Kiln's CPU kernels (runtime/cpu_kernels.py) in `folder`: `graph` with each
     MatMulNBits in blocks of 32 with int8 activations as ai.kiln::MatMulInt8Blocks (8 bits) or
-    MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE and
-    every other weight read from `graph`'s weights file; and how many nodes it runs. None and why not
-    where no node qualifies.
+    MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE, each
+    GroupQueryAttention the kernel takes as ai.kiln::GroupQueryAttention (same inputs and attributes),
+    and every other weight read from `graph`'s weights file; and how many nodes it runs. None and why
+    not where no node qualifies. An fp32 graph gets one for its attention alone.
 
     A 4-bit node that reads its activations' block means beside them (a Q4_1 grid's zero-point
     correction, compiler/quantize.py _encode_int4_grid) becomes one node on the activations alone: the
@@ -164,16 +166,18 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     The caller measures it against eager as it measures `graph`: the kernel rounds each activation as
     MLAS does but sums in another order, and int8 activations carry a last-bit difference into other
     roundings a layer later (SmolLM2 int8: top-1 0.985 on MLAS, 0.973 and 0.980 with two orders of
-    the kernel's sums), so the two graphs agree to int8's accuracy, not to fp32's tolerance."""
+    the kernel's sums), so the two graphs agree to int8's accuracy, not to fp32's tolerance; the
+    attention sums in another order than ONNX Runtime's too (1e-6 apart on random inputs)."""
     import onnx
 
-    from runtime.cpu_kernels import DOMAIN, KERNEL_DATA_FILE
+    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
     producers = {output: node for node in proto.graph.node for output in node.output}
     eligible = [(node, made) for node in proto.graph.node
                 if (made := _kernel_node(node, initializers, producers)) is not None]
+    attentions = [node for node in proto.graph.node if _kernel_attention(node, proto.graph)]
     readers: dict[str, list[Any]] = {}
     for node in proto.graph.node:
         for name in node.input:
@@ -184,14 +188,17 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
         for subgraph in [a.g] * a.HasField("g") + list(a.graphs) for name in _names_read(subgraph)}
     gated = {node.name: found for node, _ in eligible
              if (found := _swiglu_after(node, readers, initializers, outside)) is not None}
-    if not eligible:
-        return None, "no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations in the graph"
+    if not eligible and not attentions:
+        return None, ("no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations, and no "
+                      "GroupQueryAttention the kernel takes, in the graph")
+    for node in attentions:  # same inputs and attributes
+        node.domain, node.op_type = DOMAIN, ATTENTION_OP
     folder.mkdir(parents=True)
     for name in graph.files[1:]:
         if name.endswith(".data"):
             link_or_copy(graph.folder / name, folder / name)
     replaced = set()
-    with open(folder / KERNEL_DATA_FILE, "wb") as data:
+    with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
                        for name in [*node.input[1:4], ""][:3]]
@@ -236,7 +243,8 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     onnx.save(proto, str(folder / MODEL_FILE))
     built = saved_graph(folder, graph.interface, graph.shapes)
-    return dataclasses.replace(built, files=[*built.files, KERNEL_DATA_FILE]), len(eligible)
+    return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
+        len(eligible) + len(attentions)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +294,31 @@ def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, A
     return KernelNode(INT4_BLOCKS_OP, 4, joined.input[0], width, n,
                       lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, width),
                       (joined.name, pooled.name))
+
+
+def _kernel_attention(node: Any, graph: Any) -> bool:
+    """Whether ai.kiln::GroupQueryAttention (runtime/kernels/attention.c) computes what this node does:
+    past buffers given, no position ids or later inputs, no softcap, local window or other variation,
+    fp32 heads of a multiple of 16 up to 256 (read from past_key's declared shape)."""
+    import onnx
+
+    if (node.domain, node.op_type) != ("com.microsoft", "GroupQueryAttention"):
+        return False
+    attributes = {a.name: onnx.helper.get_attribute_value(a) for a in node.attribute}
+    defaults = {"softcap": 0.0, "local_window_size": -1, "do_rotary": 0, "rotary_interleaved": 0, "scale": 0.0}
+    if (set(attributes) - set(defaults) - {"num_heads", "kv_num_heads"}
+            or attributes.get("softcap", 0.0) != 0.0 or attributes.get("local_window_size", -1) != -1
+            or attributes.get("do_rotary", 0) not in (0, 1) or attributes.get("rotary_interleaved", 0) not in (0, 1)):
+        return False
+    inputs = list(node.input) + [""] * (11 - len(node.input))
+    if len(node.input) > 11 or inputs[9] or not (inputs[3] and inputs[4]) or len([o for o in node.output if o]) > 3:
+        return False
+    declared = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]}
+    past = declared.get(inputs[3])
+    if past is None or past.elem_type != onnx.TensorProto.FLOAT or len(past.shape.dim) != 4:
+        return False
+    head_size = past.shape.dim[3].dim_value
+    return 0 < head_size <= 256 and head_size % 16 == 0
 
 
 def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[str, Any],

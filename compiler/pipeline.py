@@ -479,9 +479,11 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         os.replace(graph.folder / name, folder / name)
     if kernel_summary:  # its graph and its packed weights; the rest it reads from the variant's own file
         os.replace(kernels.model_path, folder / KERNEL_MODEL_FILE)
-        os.replace(kernels.folder / KERNEL_DATA_FILE, folder / KERNEL_DATA_FILE)
+        packed = [KERNEL_DATA_FILE] if KERNEL_DATA_FILE in kernels.files else []  # none where only attention
+        for name in packed:
+            os.replace(kernels.folder / name, folder / name)
         shutil.rmtree(kernels.folder)
-        graph = dataclasses.replace(graph, files=[*graph.files, KERNEL_MODEL_FILE, KERNEL_DATA_FILE])
+        graph = dataclasses.replace(graph, files=[*graph.files, KERNEL_MODEL_FILE, *packed])
         kernel_summary["kernel_model"] = f"variants/{variant.name}/{KERNEL_MODEL_FILE}"
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]

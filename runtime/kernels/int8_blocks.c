@@ -27,20 +27,18 @@
    Each row is computed by the same instructions in the same order whatever the batch, the thread
    count or the CPU, so a sequence's logits do not depend on what else is in the batch or on the host.
 
-   The ONNX Runtime C API is declared below by hand (only what this file calls): the function table is
-   append-only across versions, so its indices hold for every release that has the functions used
-   (API version 17, ONNX Runtime 1.17, and later). runtime/cpu_kernels.py loads this library, checks
-   the CPU first (kiln_int8_blocks_supported) and registers it with the session. */
+   The ops' tables are at the end; library.c registers them (the ai.kiln domain). */
 
 #include <float.h>
 #include <immintrin.h>
 #include <math.h>
-#include <pthread.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "ort_api.h"
 
 #define BLOCK 32
 #define TILE 16                                    /* output columns per vector */
@@ -273,90 +271,7 @@ static int matmul(const Weights* w, const float* x, float* y, int64_t rows, Para
     return 1;
 }
 
-/* -- what the runtime asks before registering the library (ctypes) ---------------------------------- */
-
-int kiln_int8_blocks_supported(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
-}
-
-/* -- ONNX Runtime's C API, the parts used here ----------------------------------------------------- */
-
-typedef struct OrtStatus OrtStatus;
-typedef struct OrtApi OrtApi;  /* a table of function pointers, indexed below */
-typedef struct OrtKernelInfo OrtKernelInfo;
-typedef struct OrtKernelContext OrtKernelContext;
-typedef struct OrtValue OrtValue;
-typedef struct OrtShapeInfo OrtShapeInfo;
-typedef struct OrtSessionOptions OrtSessionOptions;
-typedef struct OrtCustomOpDomain OrtCustomOpDomain;
-
-typedef struct {
-    const OrtApi* (*GetApi)(uint32_t version);
-    const char* (*GetVersionString)(void);
-} OrtApiBase;
-
-/* Positions in the OrtApi table (append-only since 1.0; the last one used came with API version 16). */
-enum {
-    API_CreateStatus = 0,
-    API_GetErrorMessage = 2,
-    API_CreateCustomOpDomain = 26,
-    API_CustomOpDomain_Add = 27,
-    API_AddCustomOpDomain = 28,
-    API_GetTensorMutableData = 51,
-    API_GetDimensionsCount = 61,
-    API_GetDimensions = 62,
-    API_GetTensorShapeElementCount = 64,
-    API_GetTensorTypeAndShape = 65,
-    API_KernelInfoGetAttribute_int64 = 86,
-    API_KernelContext_GetInput = 90,
-    API_KernelContext_GetOutput = 91,
-    API_ReleaseStatus = 93,
-    API_ReleaseTensorTypeAndShapeInfo = 99,
-    API_ReleaseCustomOpDomain = 101,
-    API_KernelInfoGetConstantInput_tensor = 249,
-    API_KernelContext_ParallelFor = 274,
-};
-#define API_VERSION 17  /* the table asked for: KernelContext_ParallelFor came with 1.17 */
-#define OP_VERSION 16   /* the OrtCustomOp fields filled: up to the V2 kernel callbacks */
-#define ORT_FAIL 1
-#define ORT_INVALID_ARGUMENT 2
-#define TYPE_FLOAT 1
-#define TYPE_UINT8 2
-#define REQUIRED 0
-
-static const OrtApi* api;
-#define CALL(index, type) ((type)(((void* const*)api)[index]))
-
-static OrtStatus* error(int code, const char* message) {
-    return CALL(API_CreateStatus, OrtStatus* (*)(int, const char*))(code, message);
-}
-
-typedef struct OrtCustomOp {
-    uint32_t version;
-    void* (*CreateKernel)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
-    const char* (*GetName)(const struct OrtCustomOp*);
-    const char* (*GetExecutionProviderType)(const struct OrtCustomOp*);
-    int (*GetInputType)(const struct OrtCustomOp*, size_t);
-    size_t (*GetInputTypeCount)(const struct OrtCustomOp*);
-    int (*GetOutputType)(const struct OrtCustomOp*, size_t);
-    size_t (*GetOutputTypeCount)(const struct OrtCustomOp*);
-    void (*KernelCompute)(void*, OrtKernelContext*);
-    void (*KernelDestroy)(void*);
-    int (*GetInputCharacteristic)(const struct OrtCustomOp*, size_t);
-    int (*GetOutputCharacteristic)(const struct OrtCustomOp*, size_t);
-    int (*GetInputMemoryType)(const struct OrtCustomOp*, size_t);
-    int (*GetVariadicInputMinArity)(const struct OrtCustomOp*);
-    int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp*);
-    int (*GetVariadicOutputMinArity)(const struct OrtCustomOp*);
-    int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
-    OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
-    OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
-    /* later fields (shape inference, version ranges, in-place maps) are not read at OP_VERSION */
-} OrtCustomOp;
-
-/* -- the op ---------------------------------------------------------------------------------------- */
+/* -- the ops --------------------------------------------------------------------------------------- */
 
 typedef struct {
     Weights weights;
@@ -364,53 +279,26 @@ typedef struct {
 
 static const char* name_for_bits(int bits) { return bits == 4 ? "MatMulInt4Blocks" : "MatMulInt8Blocks"; }
 
-/* An error status naming the op: "ai.kiln::<op>: <what>". */
-static OrtStatus* op_error(int code, const char* op, const char* what) {
-    char message[512];
-    snprintf(message, sizeof message, "ai.kiln::%s: %s", op, what);
-    return error(code, message);  /* ONNX Runtime copies the message */
-}
-
-static OrtStatus* constant_input(const OrtKernelInfo* info, size_t index, const OrtValue** value, const char* op) {
-    int is_constant = 0;
-    *value = NULL;
-    OrtStatus* status = CALL(API_KernelInfoGetConstantInput_tensor,
-                             OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**))(info, index, &is_constant, value);
-    if (status) return status;
-    if (!is_constant || !*value)
-        return op_error(ORT_INVALID_ARGUMENT, op, "W must be an initializer");
-    return NULL;
-}
-
-static void* data_of(const OrtValue* value) {
-    void* data = NULL;
-    OrtStatus* status = CALL(API_GetTensorMutableData, OrtStatus* (*)(const OrtValue*, void**))(value, &data);
-    if (status) { CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status); return NULL; }
-    return data;
-}
-
-static int op_bits(const OrtCustomOp* op);
+static int op_bits(const OrtCustomOp* op) { return op == &kiln_int4_blocks_op ? 4 : 8; }
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
     (void)api_;
     int bits = op_bits(op);
     const char* name = name_for_bits(bits);
     OrtStatus* status;
-    int64_t k = 0, n = 0;
-    if ((status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "K", &k)) ||
-        (status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "N", &n)))
-        return status;
+    int64_t k = kiln_attribute_int(info, "K", 0), n = kiln_attribute_int(info, "N", 0);
     if (k <= 0 || n <= 0 || k % BLOCK || k > (1 << 24) || n > (1 << 24))
-        return op_error(ORT_INVALID_ARGUMENT, name, "K must be a multiple of 32, K and N from 1 to 2^24");
-    int64_t gated = 0;  /* optional: absent is 0 */
-    if ((status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(info, "gated", &gated))) {
-        CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status);
-        gated = 0;
-    }
+        return kiln_op_error(ORT_INVALID_ARGUMENT, name, "K must be a multiple of 32, K and N from 1 to 2^24");
+    int64_t gated = kiln_attribute_int(info, "gated", 0);
     if (gated != 0 && (gated != 1 || n % (2 * TILE)))
-        return op_error(ORT_INVALID_ARGUMENT, name, "gated must be 0 or 1, and 1 needs N a multiple of 32 (tiles in pairs)");
-    const OrtValue* packed;
-    if ((status = constant_input(info, 1, &packed, name))) return status;
+        return kiln_op_error(ORT_INVALID_ARGUMENT, name,
+                             "gated must be 0 or 1, and 1 needs N a multiple of 32 (tiles in pairs)");
+    int is_constant = 0;
+    const OrtValue* packed = NULL;
+    if ((status = CALL(API_KernelInfoGetConstantInput_tensor,
+                       OrtStatus* (*)(const OrtKernelInfo*, size_t, int*, const OrtValue**))(info, 1, &is_constant, &packed)))
+        return status;
+    if (!is_constant || !packed) return kiln_op_error(ORT_INVALID_ARGUMENT, name, "W must be an initializer");
     OrtShapeInfo* shape = NULL;
     size_t size = 0;
     if ((status = CALL(API_GetTensorTypeAndShape, OrtStatus* (*)(const OrtValue*, OrtShapeInfo**))(packed, &shape))) return status;
@@ -418,13 +306,13 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
     if (status) return status;
     Kernel* kernel = calloc(1, sizeof(Kernel));
-    if (!kernel) return op_error(ORT_FAIL, name, "out of memory");
+    if (!kernel) return kiln_op_error(ORT_FAIL, name, "out of memory");
     size_t block_bytes = bits == 8 ? TILE_BLOCK_BYTES_8 : TILE_BLOCK_BYTES_4;
     kernel->weights = (Weights){k, n, k / BLOCK, (n + TILE - 1) / TILE, gated ? n / 2 : n, bits, (int)gated, block_bytes,
-                                data_of(packed)};
+                                kiln_data_of(packed)};
     if (!kernel->weights.packed || size != (size_t)(kernel->weights.tiles * kernel->weights.blocks) * block_bytes) {
         free(kernel);
-        return op_error(ORT_INVALID_ARGUMENT, name, bits == 8
+        return kiln_op_error(ORT_INVALID_ARGUMENT, name, bits == 8
             ? "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int8_blocks)"
             : "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int4_blocks)");
     }
@@ -434,50 +322,30 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
 
 static void destroy_kernel(void* data) { free(data); }  /* the weights belong to the session */
 
-static void ort_parallel(void* context, void (*fn)(void*, size_t), size_t total, void* data) {
-    OrtStatus* status = CALL(API_KernelContext_ParallelFor,
-                             OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*))(context, fn, total, 0, data);
-    if (status) {  /* no thread pool to run on: run here */
-        CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status);
-        for (size_t i = 0; i < total; i++) fn(data, i);
-    }
-}
-
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
     const char* name = name_for_bits(kernel->weights.bits);
-    const OrtValue* input = NULL;
-    OrtValue* output = NULL;
-    OrtShapeInfo* shape = NULL;
+    const OrtValue* input;
+    OrtValue* output;
     OrtStatus* status;
-    if ((status = CALL(API_KernelContext_GetInput, OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**))(context, 0, &input)))
-        return status;
-    if ((status = CALL(API_GetTensorTypeAndShape, OrtStatus* (*)(const OrtValue*, OrtShapeInfo**))(input, &shape))) return status;
     size_t rank = 0;
     int64_t dims[8];
-    status = CALL(API_GetDimensionsCount, OrtStatus* (*)(const OrtShapeInfo*, size_t*))(shape, &rank);
-    if (!status && (rank < 1 || rank > 8)) status = op_error(ORT_INVALID_ARGUMENT, name, "A must have rank 1 to 8");
-    if (!status) status = CALL(API_GetDimensions, OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t))(shape, dims, rank);
-    CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
-    if (status) return status;
-    if (dims[rank - 1] != kernel->weights.k) return op_error(ORT_INVALID_ARGUMENT, name, "A's last dimension is not K");
+    if ((status = kiln_input(context, 0, &input)) || (status = kiln_dims(input, dims, &rank, 8, name))) return status;
+    if (rank < 1) return kiln_op_error(ORT_INVALID_ARGUMENT, name, "A must have rank 1 to 8");
+    if (dims[rank - 1] != kernel->weights.k) return kiln_op_error(ORT_INVALID_ARGUMENT, name, "A's last dimension is not K");
     int64_t rows = 1;
     for (size_t i = 0; i + 1 < rank; i++) rows *= dims[i];
     dims[rank - 1] = kernel->weights.n_out;
-    if ((status = CALL(API_KernelContext_GetOutput, OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**))(
-             context, 0, dims, rank, &output)))
-        return status;
+    if ((status = kiln_output(context, 0, dims, rank, &output))) return status;
     if (rows == 0) return NULL;
-    const float* x = data_of(input);
-    float* y = data_of(output);
-    if (!x || !y) return op_error(ORT_FAIL, name, "no tensor data");
-    if (!matmul(&kernel->weights, x, y, rows, ort_parallel, context))
-        return op_error(ORT_FAIL, name, "out of memory");
+    const float* x = kiln_data_of(input);
+    float* y = kiln_data_of(output);
+    if (!x || !y) return kiln_op_error(ORT_FAIL, name, "no tensor data");
+    if (!matmul(&kernel->weights, x, y, rows, kiln_parallel, context))
+        return kiln_op_error(ORT_FAIL, name, "out of memory");
     return NULL;
 }
 
-static OrtCustomOp int4_blocks_op;
-static int op_bits(const OrtCustomOp* op) { return op == &int4_blocks_op ? 4 : 8; }
 static const char* op_name(const OrtCustomOp* op) { return name_for_bits(op_bits(op)); }
 static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
@@ -504,53 +372,5 @@ static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; re
     .CreateKernelV2 = create_kernel,                 \
     .KernelComputeV2 = compute,                      \
 }
-static OrtCustomOp int8_blocks_op = BLOCKS_OP;
-static OrtCustomOp int4_blocks_op = BLOCKS_OP;
-
-/* Set up once for every session in the process: the API table, the CPU check, the domain with its op.
-   The domain is published only whole; a failure is kept as a message and reported to each caller. */
-static OrtCustomOpDomain* domain;
-static const OrtApiBase* setup_base;
-static char setup_error[256];
-static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
-
-static void keep_error(OrtStatus* status) {
-    const char* message = CALL(API_GetErrorMessage, const char* (*)(const OrtStatus*))(status);
-    strncpy(setup_error, message ? message : "unknown error", sizeof setup_error - 1);
-    CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status);
-}
-
-static void setup(void) {
-    api = setup_base->GetApi(API_VERSION);
-    if (!api) {
-        strcpy(setup_error, "Kiln's CPU kernels need ONNX Runtime 1.17 or later");
-        return;
-    }
-    if (!kiln_int8_blocks_supported()) {
-        strcpy(setup_error, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
-        return;
-    }
-    OrtCustomOpDomain* made = NULL;
-    OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
-    if (!status)
-        status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(made, &int8_blocks_op);
-    if (!status)
-        status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(made, &int4_blocks_op);
-    if (status) {
-        keep_error(status);
-        if (made) CALL(API_ReleaseCustomOpDomain, void (*)(OrtCustomOpDomain*))(made);
-        return;
-    }
-    domain = made;
-}
-
-/* What SessionOptions.register_custom_ops_library calls. */
-OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
-    setup_base = base;
-    pthread_once(&setup_once, setup);
-    if (!domain) {  /* reported with whichever table this ONNX Runtime has: CreateStatus is entry 0 of all */
-        const OrtApi* table = api ? api : base->GetApi(1);
-        return ((OrtStatus * (*)(int, const char*))((void* const*)table)[API_CreateStatus])(ORT_FAIL, setup_error);
-    }
-    return CALL(API_AddCustomOpDomain, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*))(options, domain);
-}
+OrtCustomOp kiln_int8_blocks_op = BLOCKS_OP;
+OrtCustomOp kiln_int4_blocks_op = BLOCKS_OP;

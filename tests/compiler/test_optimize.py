@@ -239,3 +239,49 @@ def test_a_kernels_graph_folds_the_swiglu_after_a_gate_up_projection_bit_for_bit
                                                        helper.make_opsetid("com.microsoft", 1)]),
               str(tmp_path / "graph" / "model.onnx"))
     assert run(tmp_path / "also_read")[1][1:] == ["Split", "Sigmoid", "Mul", "Mul"]
+
+
+def test_an_fp32_variant_runs_its_attention_in_kilns_kernel_bit_for_bit(tiny_artifacts, tiny_checkpoints, family):
+    """Every family's fused fp32 variant ships a kernels' graph where its GroupQueryAttention nodes are
+    ones the kernel takes (runtime/kernels/attention.c): ai.kiln::GroupQueryAttention in their place and
+    nothing else changed, giving model.onnx's logits bit for bit through a prefill and decode steps, in
+    Kiln's layout and the left-padded one."""
+    from compiler.optimize import CHECK_PADS, CHECK_PROMPT, CHECK_STEPS, _greedy_steps
+    from runtime import cpu_kernels
+    from runtime.backend import OnnxRuntimeBackend
+
+    folder = tiny_artifacts[family]
+    entry = Artifact.open(folder).variant("cpu-fp32")
+    graph = onnx.load(str(folder / entry["model"]), load_external_data=False)
+    # A sliding window (Mistral, Starcoder2, Gemma 2) or a softcap (Gemma 2) stays ONNX Runtime's
+    taken = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and not any(
+        (a.name == "local_window_size" and a.i != -1) or (a.name == "softcap" and a.f != 0) for a in n.attribute)]
+    library = cpu_kernels.library()[0]
+    if library is None or not taken:
+        assert "kernel_model" not in entry
+        return
+    assert entry["kernel_model"] == "variants/cpu-fp32/model_kernels.onnx"
+    assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry["files"]  # no packed weights
+    kernels = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)
+    ours = [(n.domain, n.op_type) for n in kernels.graph.node]
+    assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(taken)
+    assert [n for n in ours if n[0] != cpu_kernels.DOMAIN] == [
+        (n.domain, n.op_type) for n in graph.graph.node if n not in taken]
+
+    exported = _exported(tiny_artifacts, tiny_checkpoints, family)  # for the model's shapes
+    reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry["interface"], exported.shapes, 0, ["model.onnx"])
+    steps = _greedy_steps(reference, seed=3)
+    backends = [OnnxRuntimeBackend(reference.model_path, entry["interface"]),
+                OnnxRuntimeBackend(folder / entry["kernel_model"], entry["interface"], kernels=library)]
+    for front_aligned in (True, False):  # each layout against model.onnx in the same layout
+        caches = []
+        for backend in backends:
+            backend.front_aligned = front_aligned
+            caches.append(backend.new_cache(len(CHECK_PADS), CHECK_PROMPT + CHECK_STEPS))
+        for ids, mask, positions, _ in steps:
+            expected, caches[0] = backends[0].run(ids, mask, positions, caches[0])
+            got, caches[1] = backends[1].run(ids, mask, positions, caches[1])
+            real = mask[:, -expected.shape[1]:].astype(bool)
+            assert np.array_equal(got[real], expected[real])
+    for backend in backends:
+        backend.close()

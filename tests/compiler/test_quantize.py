@@ -176,9 +176,10 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     manifest = json.loads((quantized / "manifest.json").read_text())
     entry = manifest["variants"]["cpu-int8"]
     report = json.loads((quantized / entry["report"]).read_text())["cpu_kernels"]
-    eligible = [n for n in onnx.load(str(quantized / entry["model"]), load_external_data=False).graph.node
-                if n.op_type == "MatMulNBits"]
-    assert report["nodes"] == len(eligible) > 0
+    nodes = onnx.load(str(quantized / entry["model"]), load_external_data=False).graph.node
+    eligible = [n for n in nodes if n.op_type == "MatMulNBits"]
+    attentions = [n for n in nodes if n.op_type == "GroupQueryAttention"]
+    assert report["nodes"] == len(eligible) + len(attentions) and eligible and attentions
     library, why = cpu_kernels.library()
     if library is None:
         assert "kernel_model" not in entry and report["why_not"].endswith(f"({why})")
@@ -189,9 +190,10 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     kernel_graph = onnx.load(str(quantized / entry["kernel_model"]), load_external_data=False)
     ops = [(n.domain, n.op_type) for n in kernel_graph.graph.node]
     assert ops.count((cpu_kernels.DOMAIN, cpu_kernels.INT8_BLOCKS_OP)) == len(eligible)
-    assert ("com.microsoft", "MatMulNBits") not in ops
+    assert ops.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(attentions)
+    assert ("com.microsoft", "MatMulNBits") not in ops and ("com.microsoft", "GroupQueryAttention") not in ops
     assert ("", "Split") not in ops and ("", "Sigmoid") not in ops  # the gate/up's SwiGLU folded into the kernel
-    packed = {n.input[1] for n in kernel_graph.graph.node if n.domain == cpu_kernels.DOMAIN}
+    packed = {n.input[1] for n in kernel_graph.graph.node if n.op_type == cpu_kernels.INT8_BLOCKS_OP}
     locations = {i.name: d.value for i in kernel_graph.graph.initializer for d in i.external_data if d.key == "location"}
     # The packed weights in a file of their own, every other weight read from model.onnx's file
     assert {locations[name] for name in packed} == {cpu_kernels.KERNEL_DATA_FILE}
@@ -207,10 +209,12 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
         monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
         cpu_kernels.library.cache_clear()
 
-    mixed = manifest["variants"]["cpu-int8-mixed"]  # blocks of 64 and 16: nothing for the kernel
-    assert "kernel_model" not in mixed
-    assert json.loads((quantized / mixed["report"]).read_text())["cpu_kernels"] == {
-        "nodes": 0, "why_not": "no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations in the graph"}
+    mixed = manifest["variants"]["cpu-int8-mixed"]  # blocks of 64 and 16: the attention alone for the kernels
+    mixed_ops = [(n.domain, n.op_type) for n in
+                 onnx.load(str(quantized / mixed["kernel_model"]), load_external_data=False).graph.node]
+    assert {op for op in mixed_ops if op[0] == cpu_kernels.DOMAIN} == {(cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)}
+    assert ("com.microsoft", "MatMulNBits") in mixed_ops
+    assert f"variants/cpu-int8-mixed/{cpu_kernels.KERNEL_DATA_FILE}" not in mixed["files"]
 
     gptq = manifest["variants"]["cpu-int4-gptq"]  # 4 bits in blocks of 32: MatMulInt4Blocks
     kernel_ops = [n.op_type for n in onnx.load(str(quantized / gptq["kernel_model"]), load_external_data=False).graph.node]

@@ -1,0 +1,612 @@
+/* ai.kiln::GroupQueryAttention: the attention of com.microsoft::GroupQueryAttention over shared KV
+   buffers, for the graphs Kiln writes (fusions/group_query_attention.py, rotary_in_attention.py), with
+   the same inputs, outputs and attributes:
+
+     query [b, s, (heads + 2 kv_heads) * d] (packed) or [b, s, heads * d] with key and value
+     [b, s, kv_heads * d]; past_key, past_value [b, kv_heads, slots, d]; seqlens_k [b] (each row's
+     last slot after this step); total_sequence_length (the mask's width); cos_cache, sin_cache
+     [positions, rotary_dim / 2] where do_rotary = 1; attention_bias [b or 1, heads or 1, s, t] (added
+     to the scaled scores: the mask's pad slots)
+     -> output [b, s, heads * d]; present_key, present_value [b, kv_heads, max(t, slots), d]
+
+   A row's new keys (rotated by slot, as ONNX Runtime rotates them) and values go to its slots
+   past .. past + s - 1, where past = seqlens_k + 1 - s (0 in a first prompt, s = t), written in place
+   where present is bound to past's buffer (ONNX Runtime hands the op the caller's buffer), else into a
+   copy. Query i of a row attends to its slots 0 .. past + i: softmax(scale * q.k + bias) over them,
+   times the values. Not taken (the compiler leaves such nodes to ONNX Runtime): softcap, local windows,
+   smooth softmax or head sinks, position_ids, quantized caches, fp16.
+
+   Why an op of Kiln's: ONNX Runtime's CPU kernel runs, per (row, head), a GEMM of one query row against
+   the keys, a softmax and a second GEMM, each with MLAS's per-call setup, after copying the packed
+   projections into a transposed buffer and rotating into another. At batch 32 on SmolLM2 that was a
+   quarter of an int8 decode step for a few MFLOPs. Here one work item is (row, kv head, up to 16
+   positions): its query heads share each key and value block while it is in L1, the scores of 16 keys
+   come from one register tree, and the new keys are rotated straight into the cache.
+
+   Each row's numbers come from the same instructions in the same order whatever the batch or the
+   thread count (a work item never spans rows), so a sequence's logits do not depend on its neighbours. */
+
+/* Every multiply and add below rounds as written: GCC would otherwise fuse a multiply and the add after
+   it (its default -ffp-contract=fast) where ONNX Runtime's kernels round twice. */
+#pragma GCC optimize("fp-contract=off")
+
+#include <float.h>
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "ort_api.h"
+
+#define NAME "GroupQueryAttention"
+#define LANES 16
+#define MAX_HEAD_SIZE 256
+#define POSITIONS_PER_ITEM 16
+#define PARALLEL_SCORES 8192  /* fewer (query, key) pairs than this run on the calling thread */
+
+enum { QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE, SEQLENS_K, TOTAL_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS,
+       ATTENTION_BIAS, INPUT_COUNT };
+
+typedef struct {
+    int64_t heads, kv_heads;
+    float scale;  /* 0: 1 / sqrt(d) */
+    int rotary, interleaved;
+} Kernel;
+
+typedef struct {
+    int64_t batch, seq, heads, kv_heads, group, d;
+    const float *q, *k, *v;        /* row 0, token 0: its first query head, key head, value head */
+    int64_t q_stride, kv_stride;   /* floats from one token's to the next */
+    float *keys, *values;          /* present [batch][kv_heads][slots][d] */
+    int64_t slots;
+    const int32_t* seqlens;
+    int first_prompt;
+    const float *cos, *sin;        /* [positions][half]; NULL: no rotation */
+    int64_t half;
+    int interleaved;
+    const float* bias;             /* [bias_rows][bias_heads][seq][bias_slots]; NULL: none */
+    int64_t bias_rows, bias_heads, bias_slots;
+    float scale;
+    float* out;                    /* [batch][seq][heads * d] */
+    int64_t chunks;                /* position chunks per (row, kv head) */
+    float* scratch;                /* per work item: scratch_per_item floats */
+    int64_t padded_keys, scratch_per_item;
+    int64_t q_block;               /* ONNX Runtime's rows per query block in a prompt */
+} Job;
+
+static int64_t past_of(const Job* job, int64_t row) {
+    return job->first_prompt ? 0 : (int64_t)job->seqlens[row] + 1 - job->seq;
+}
+
+/* x rotated to `position` into y (rotate-half, or pairs where interleaved) with the roundings of
+   ONNX Runtime's rotary kernel (MLAS, rotary_embedding_kernel_avx2_fp32.cpp): real * cos - (imag * sin)
+   and real * sin + (imag * cos), each a fused multiply-add of a rounded product; the dimensions past the
+   rotary ones copied. */
+static void rotate(const Job* job, const float* x, float* y, int64_t position) {
+    int64_t d = job->d, half = job->half;
+    if (!job->cos) { memcpy(y, x, sizeof(float) * d); return; }
+    const float* cos = job->cos + position * half;
+    const float* sin = job->sin + position * half;
+    for (int64_t t = 0; t < half; t++) {
+        int64_t i = job->interleaved ? 2 * t : t, j = job->interleaved ? 2 * t + 1 : t + half;
+        float real = x[i], imag = x[j];
+        float imag_sin = imag * sin[t], imag_cos = imag * cos[t];
+        y[i] = fmaf(real, cos[t], -imag_sin);
+        y[j] = fmaf(real, sin[t], imag_cos);
+    }
+    memcpy(y + 2 * half, x + 2 * half, sizeof(float) * (d - 2 * half));
+}
+
+static inline __mmask16 first_lanes(int64_t count) {
+    return count >= LANES ? (__mmask16)0xFFFF : (__mmask16)((1u << count) - 1);
+}
+
+/* The slice of the inner dimension MLAS's SGEMM sums at a time (sgemm.cpp: strides of 128 for N and K,
+   traded against each other by the GEMM's shape); a product's sum is one chain of fused multiply-adds per
+   slice, the slices added in order. */
+static int64_t gemm_slice(int64_t columns, int64_t depth) {
+    int64_t stride_n = 128, stride_k = 128;
+    if (columns >= depth) {
+        while (stride_k / 2 >= depth) { stride_n *= 2; stride_k /= 2; }
+    } else {
+        while (stride_n > 16 && stride_n / 2 >= columns) { stride_k *= 2; stride_n /= 2; }
+    }
+    return stride_k;
+}
+
+/* r[j] <- r's column j: a 16 x 16 transpose in registers. */
+static inline __attribute__((always_inline)) void transpose16(__m512* r) {
+    __m512 t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        r[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        r[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88);
+        t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+}
+
+/* keys [count <= 16][d] -> columns [d][16] (columns past count zero): the 16 keys side by side, one
+   vector per dimension, as MLAS packs the transposed B of Q K^T. */
+static void transpose_keys(const float* keys, int64_t count, int64_t d, float* columns) {
+    for (int64_t k0 = 0; k0 < d; k0 += LANES) {
+        __m512 r[16];
+        for (int64_t j = 0; j < LANES; j++) r[j] = j < count ? _mm512_loadu_ps(keys + j * d + k0) : _mm512_setzero_ps();
+        transpose16(r);
+        for (int64_t t = 0; t < LANES; t++) _mm512_storeu_ps(columns + (k0 + t) * LANES, r[t]);
+    }
+}
+
+/* scores[r][j0 .. j0 + 16) of rows r < rows (<= 4): alpha * (q_r . key j) as MLAS's SGEMM kernel sums it,
+   one fused multiply-add per dimension in order from zero, a slice at a time (the first slice times alpha,
+   each later one added as acc * alpha + sum). Inlined with a literal rows. */
+static inline __attribute__((always_inline)) void score_block(const float* columns, int64_t d, int64_t slice,
+                                                              float* const* q, int rows, float alpha, int64_t j0,
+                                                              __mmask16 lanes, float* const* scores) {
+    __m512 sum[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    __m512 scale = _mm512_set1_ps(alpha);
+    for (int64_t k0 = 0; k0 < d; k0 += slice) {
+        int64_t k1 = k0 + slice < d ? k0 + slice : d;
+        __m512 acc[4];
+        for (int r = 0; r < rows; r++) acc[r] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k++) {
+            __m512 column = _mm512_loadu_ps(columns + k * LANES);
+            for (int r = 0; r < rows; r++) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(q[r][k]), column, acc[r]);
+        }
+        for (int r = 0; r < rows; r++)
+            sum[r] = k0 == 0 ? _mm512_mul_ps(acc[r], scale) : _mm512_fmadd_ps(acc[r], scale, sum[r]);
+    }
+    for (int r = 0; r < rows; r++) _mm512_mask_storeu_ps(scores[r] + j0, lanes, sum[r]);
+}
+
+static void score_blocks(const float* columns, int64_t d, int64_t slice, float* const* q, int rows, float alpha,
+                         int64_t j0, __mmask16 lanes, float* const* scores) {
+    switch (rows) {
+        case 1: score_block(columns, d, slice, q, 1, alpha, j0, lanes, scores); break;
+        case 2: score_block(columns, d, slice, q, 2, alpha, j0, lanes, scores); break;
+        case 3: score_block(columns, d, slice, q, 3, alpha, j0, lanes, scores); break;
+        default: score_block(columns, d, slice, q, 4, alpha, j0, lanes, scores); break;
+    }
+}
+
+/* scores[r][j0 .. j0 + 16) for a decode step's query rows r < rows (<= 4), as ONNX Runtime's decode GEMV
+   sums them (MLAS flashattn_gqa.cpp, MlasGQADecodeQK, built without FMA): eight running sums of rounded
+   products, dimension h into sum h mod 8, added as ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7)),
+   then times alpha. Inlined with a literal rows. */
+static inline __attribute__((always_inline)) void decode_score_block(const float* columns, int64_t d, float* const* q,
+                                                                     int rows, float alpha, int64_t j0,
+                                                                     __mmask16 lanes, float* const* scores) {
+    for (int r = 0; r < rows; r++) {
+        __m512 acc[8];
+        for (int t = 0; t < 8; t++) acc[t] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < d; k += 8)
+            for (int t = 0; t < 8; t++)
+                acc[t] = _mm512_add_ps(acc[t], _mm512_mul_ps(_mm512_set1_ps(q[r][k + t]), _mm512_loadu_ps(columns + (k + t) * LANES)));
+        __m512 sum = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])),
+                                   _mm512_add_ps(_mm512_add_ps(acc[4], acc[5]), _mm512_add_ps(acc[6], acc[7])));
+        _mm512_mask_storeu_ps(scores[r] + j0, lanes, _mm512_mul_ps(sum, _mm512_set1_ps(alpha)));
+    }
+}
+
+static inline __attribute__((always_inline)) void decode_score_blocks(const float* columns, int64_t d, float* const* q, int rows, float alpha, int64_t j0,
+                                __mmask16 lanes, float* const* scores) {
+    switch (rows) {
+        case 1: decode_score_block(columns, d, q, 1, alpha, j0, lanes, scores); break;
+        case 2: decode_score_block(columns, d, q, 2, alpha, j0, lanes, scores); break;
+        case 3: decode_score_block(columns, d, q, 3, alpha, j0, lanes, scores); break;
+        default: decode_score_block(columns, d, q, 4, alpha, j0, lanes, scores); break;
+    }
+}
+
+/* e^(x + shift) of MLAS's AVX-512 softmax kernel (TransKernelAvx512F.S, MlasComputeSumExpF32KernelAvx512F):
+   clamp at -103.97, x = m ln2 + r with m by the rounding bias, a degree-6 polynomial, scaled by 2^m. */
+static inline __m512 mlas_exp(__m512 x, __m512 shift) {
+    x = _mm512_max_ps(_mm512_set1_ps(-103.9720840454f), _mm512_add_ps(shift, x));
+    const __m512 bias = _mm512_set1_ps(12582912.0f);
+    __m512 m = _mm512_sub_ps(_mm512_fmadd_ps(x, _mm512_set1_ps(1.44269504088896341f), bias), bias);
+    x = _mm512_fmadd_ps(m, _mm512_set1_ps(-6.93145752e-1f), x);
+    x = _mm512_fmadd_ps(m, _mm512_set1_ps(-1.42860677e-6f), x);
+    __m512 p = _mm512_set1_ps(0x1.694000p-10f);
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(0x1.125edcp-7f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(0x1.555b5ap-5f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(0x1.555450p-3f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(0x1.fffff6p-2f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.0f));
+    return _mm512_scalef_ps(p, m);
+}
+
+/* scores[0 .. n - 1] -> e^(score - max), in place; returns their sum. As MLAS computes a softmax's (compute.cpp,
+   MlasComputeSumExpF32KernelAvx512F): summed in one vector 48 then 16 values at a time, the vector reduced
+   in the kernel's order. */
+static float exponentials(float* scores, int64_t n) {
+    __m512 most = _mm512_set1_ps(-FLT_MAX);
+    for (int64_t j = 0; j < n; j += LANES)
+        most = _mm512_max_ps(most, _mm512_mask_loadu_ps(_mm512_set1_ps(-FLT_MAX), first_lanes(n - j), scores + j));
+    __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(most));
+    __m512 total = _mm512_setzero_ps();
+    int64_t j = 0;
+    for (; j + 3 * LANES <= n; j += 3 * LANES) {
+        __m512 e0 = mlas_exp(_mm512_loadu_ps(scores + j), shift);
+        __m512 e1 = mlas_exp(_mm512_loadu_ps(scores + j + LANES), shift);
+        __m512 e2 = mlas_exp(_mm512_loadu_ps(scores + j + 2 * LANES), shift);
+        total = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(total, e0), e1), e2);
+        _mm512_storeu_ps(scores + j, e0);
+        _mm512_storeu_ps(scores + j + LANES, e1);
+        _mm512_storeu_ps(scores + j + 2 * LANES, e2);
+    }
+    for (; j < n; j += LANES) {
+        __mmask16 lanes = first_lanes(n - j);
+        __m512 e = mlas_exp(_mm512_maskz_loadu_ps(lanes, scores + j), shift);
+        total = _mm512_mask_add_ps(total, lanes, total, e);
+        _mm512_mask_storeu_ps(scores + j, lanes, e);
+    }
+    __m256 halves = _mm256_add_ps(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(total), 1)),
+                                  _mm512_castps512_ps256(total));
+    halves = _mm256_hadd_ps(halves, halves);
+    halves = _mm256_hadd_ps(halves, halves);
+    return _mm_cvtss_f32(_mm_add_ss(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+}
+
+/* How ONNX Runtime sums probs x V for a row (MLAS flashattn_gqa.cpp and sgemm.cpp). */
+enum {
+    DECODE_GEMV,  /* a decode step (MlasGQADecodeSV, no FMA): each key's rounded products added in order */
+    SGEMM_M1,     /* a prompt's query block of one row (SGEMM's M = 1 kernel, SgemmKernelM1Avx.S): keys four at a
+                     time, ((p0 v0 + p1 v1) + p2 v2) + p3 v3 added to the sum; the last two and the last one alike */
+    SGEMM,        /* a prompt's block of rows (SGEMM): one FMA chain per slice of keys, the slices added in order */
+};
+
+/* outs[r][c .. c + 16 width) = factor[r] * sum over keys j < n of probs[r][j] * value j, for rows r < rows
+   (<= 4), each value vector loaded once for all the rows, summed as `order` says. Inlined with literal rows,
+   width and order. */
+static inline __attribute__((always_inline)) void weighted_sum(float* const* probs, int rows, int64_t n,
+                                                               const float* values, int64_t d, int64_t c, int width,
+                                                               int order, int64_t slice, const float* factor,
+                                                               float* const* outs) {
+    __m512 sum[4][4];
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < width; t++) sum[r][t] = _mm512_setzero_ps();
+#define VALUE(J, T) _mm512_loadu_ps(values + (J) * d + c + (T) * LANES)
+#define TERM(R, J, V) _mm512_mul_ps(_mm512_set1_ps(probs[R][J]), V)
+    if (order == DECODE_GEMV) {
+        for (int64_t j = 0; j < n; j++)
+            for (int t = 0; t < width; t++) {
+                __m512 v = VALUE(j, t);
+                for (int r = 0; r < rows; r++) sum[r][t] = _mm512_add_ps(sum[r][t], TERM(r, j, v));
+            }
+    } else if (order == SGEMM_M1) {
+        int64_t j = 0;
+        for (; j + 4 <= n; j += 4)
+            for (int t = 0; t < width; t++) {
+                __m512 v0 = VALUE(j, t), v1 = VALUE(j + 1, t), v2 = VALUE(j + 2, t), v3 = VALUE(j + 3, t);
+                for (int r = 0; r < rows; r++) {
+                    __m512 four = _mm512_add_ps(_mm512_add_ps(_mm512_add_ps(TERM(r, j, v0), TERM(r, j + 1, v1)),
+                                                              TERM(r, j + 2, v2)), TERM(r, j + 3, v3));
+                    sum[r][t] = _mm512_add_ps(four, sum[r][t]);
+                }
+            }
+        if (n - j >= 2) {
+            for (int t = 0; t < width; t++) {
+                __m512 v0 = VALUE(j, t), v1 = VALUE(j + 1, t);
+                for (int r = 0; r < rows; r++)
+                    sum[r][t] = _mm512_add_ps(_mm512_add_ps(TERM(r, j, v0), TERM(r, j + 1, v1)), sum[r][t]);
+            }
+            j += 2;
+        }
+        if (n - j == 1)
+            for (int t = 0; t < width; t++) {
+                __m512 v0 = VALUE(j, t);
+                for (int r = 0; r < rows; r++) sum[r][t] = _mm512_add_ps(TERM(r, j, v0), sum[r][t]);
+            }
+    } else {
+        for (int64_t j0 = 0; j0 < n; j0 += slice) {
+            int64_t j1 = j0 + slice < n ? j0 + slice : n;
+            __m512 acc[4][4];
+            for (int r = 0; r < rows; r++)
+                for (int t = 0; t < width; t++) acc[r][t] = _mm512_setzero_ps();
+            for (int64_t j = j0; j < j1; j++)
+                for (int t = 0; t < width; t++) {
+                    __m512 v = VALUE(j, t);
+                    for (int r = 0; r < rows; r++) acc[r][t] = _mm512_fmadd_ps(_mm512_set1_ps(probs[r][j]), v, acc[r][t]);
+                }
+            for (int r = 0; r < rows; r++)
+                for (int t = 0; t < width; t++)
+                    sum[r][t] = j0 == 0 ? acc[r][t] : _mm512_add_ps(acc[r][t], sum[r][t]);
+        }
+    }
+#undef VALUE
+#undef TERM
+    for (int r = 0; r < rows; r++)
+        for (int t = 0; t < width; t++)
+            _mm512_storeu_ps(outs[r] + c + t * LANES, _mm512_mul_ps(sum[r][t], _mm512_set1_ps(factor[r])));
+}
+
+static void weighted_sums(float* const* probs, int rows, int64_t n, const float* values, int64_t d, int order,
+                          int64_t slice, const float* factor, float* const* outs) {
+    for (int64_t c = 0; c < d; c += 4 * LANES) {
+        int width = d - c >= 4 * LANES ? 4 : (int)((d - c) / LANES);
+#define CASE(R, O) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, factor, outs); \
+                   else weighted_sum(probs, R, n, values, d, c, width, O, slice, factor, outs)
+#define ROWS(R) if (order == DECODE_GEMV) { CASE(R, DECODE_GEMV); } else if (order == SGEMM_M1) { CASE(R, SGEMM_M1); } \
+                else { CASE(R, SGEMM); }
+        switch (rows) {
+            case 1: ROWS(1); break;
+            case 2: ROWS(2); break;
+            case 3: ROWS(3); break;
+            default: ROWS(4); break;
+        }
+#undef ROWS
+#undef CASE
+    }
+}
+
+/* Work item i: (row, kv head, chunk of POSITIONS_PER_ITEM positions), every query head of the kv head.
+   A position's query heads share one pass over the keys: 16 keys transposed, then their scores for up to
+   four heads at a time. The arithmetic is ONNX Runtime's (1.32, MLAS flashattn_gqa.cpp, one KV block):
+   scores, plus the bias, e^(score - max) and their sum, probs x V unnormalized, times 1 / sum. */
+static void attend(void* data, size_t item) {
+    const Job* job = data;
+    int64_t chunk = (int64_t)item % job->chunks, g = (int64_t)item / job->chunks % job->kv_heads;
+    int64_t row = (int64_t)item / job->chunks / job->kv_heads;
+    int64_t d = job->d, group = job->group, past = past_of(job, row), total = (int64_t)job->seqlens[row] + 1;
+    int64_t first = chunk * POSITIONS_PER_ITEM, last = first + POSITIONS_PER_ITEM < job->seq ? first + POSITIONS_PER_ITEM : job->seq;
+    const float* keys = job->keys + (row * job->kv_heads + g) * job->slots * d;
+    const float* values = job->values + (row * job->kv_heads + g) * job->slots * d;
+    float* scratch = job->scratch + (int64_t)item * job->scratch_per_item;
+    float* queries = scratch + group * job->padded_keys;
+    float* columns = queries + group * d;  /* [d][16]: one block of keys transposed */
+    if (job->first_prompt) total = job->seq;  /* a prompt's GEMMs span all its slots */
+    int decode = job->seq == 1;
+    int64_t score_slice = gemm_slice(total, d), value_slice = gemm_slice(d, total);
+    for (int64_t i = first; i < last; i++) {
+        int64_t n = past + i + 1;  /* causal: the slots up to this token's own */
+        if (n > job->slots) n = job->slots;
+        /* ONNX Runtime takes a prompt's queries q_block rows at a time; a block of one row goes through
+           SGEMM's M = 1 kernel, over all the block's keys (the masked ones' probabilities 0). */
+        int alone = !decode && i / job->q_block == (job->seq - 1) / job->q_block && job->seq % job->q_block == 1;
+        int order = decode ? DECODE_GEMV : alone ? SGEMM_M1 : SGEMM;
+        int64_t summed = order == SGEMM_M1 ? total : n;
+        float* q[64];
+        float* probs[64];
+        float* outs[64];
+        float factor[64];
+        for (int64_t h = 0; h < group; h++) {
+            int64_t head = g * group + h;
+            q[h] = queries + h * d;
+            rotate(job, job->q + (row * job->seq + i) * job->q_stride + head * d, q[h], past + i);
+            probs[h] = scratch + h * job->padded_keys;
+            outs[h] = job->out + (row * job->seq + i) * job->heads * d + head * d;
+        }
+        for (int64_t j0 = 0; j0 < n; j0 += LANES) {
+            transpose_keys(keys + j0 * d, n - j0 < LANES ? n - j0 : LANES, d, columns);
+            for (int64_t h = 0; h < group; h += 4) {
+                int rows = group - h < 4 ? (int)(group - h) : 4;
+                if (decode && d == 64) decode_score_blocks(columns, 64, q + h, rows, job->scale, j0, first_lanes(n - j0), probs + h);
+                else if (decode) decode_score_blocks(columns, d, q + h, rows, job->scale, j0, first_lanes(n - j0), probs + h);
+                else score_blocks(columns, d, score_slice, q + h, rows, job->scale, j0, first_lanes(n - j0), probs + h);
+            }
+        }
+        for (int64_t h = 0; h < group; h++) {
+            if (job->bias) {
+                int64_t head = g * group + h;
+                const float* bias = job->bias + ((job->bias_rows == 1 ? 0 : row * job->bias_heads) +
+                                                 (job->bias_heads == 1 ? 0 : head)) * job->seq * job->bias_slots +
+                                    i * job->bias_slots;
+                for (int64_t j = 0; j < n; j += LANES) {
+                    __mmask16 lanes = first_lanes(n - j);
+                    _mm512_mask_storeu_ps(probs[h] + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, probs[h] + j),
+                                                                              _mm512_maskz_loadu_ps(lanes, bias + j)));
+                }
+            }
+            factor[h] = 1.0f / exponentials(probs[h], n);
+            for (int64_t j = n; j < summed; j++) probs[h][j] = 0.0f;
+        }
+        for (int64_t h = 0; h < group; h += 4)
+            weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, summed, values, d, order, value_slice,
+                          factor + h, outs + h);
+    }
+}
+
+/* -- the op ---------------------------------------------------------------------------------------- */
+
+static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
+    (void)op; (void)api_;
+    int64_t heads = kiln_attribute_int(info, "num_heads", 0), kv_heads = kiln_attribute_int(info, "kv_num_heads", 0);
+    if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > 64)
+        return kiln_op_error(ORT_INVALID_ARGUMENT, NAME,
+                             "num_heads and kv_num_heads must be positive, num_heads a multiple of kv_num_heads "
+                             "(at most 64 query heads a kv head)");
+    if (kiln_attribute_float(info, "softcap", 0.0f) != 0.0f || kiln_attribute_int(info, "local_window_size", -1) != -1 ||
+        kiln_attribute_int(info, "smooth_softmax", 0) != 0)
+        return kiln_op_error(ORT_INVALID_ARGUMENT, NAME, "softcap, local_window_size and smooth_softmax are not taken "
+                             "(leave such nodes to com.microsoft::GroupQueryAttention)");
+    int64_t rotary = kiln_attribute_int(info, "do_rotary", 0), interleaved = kiln_attribute_int(info, "rotary_interleaved", 0);
+    if ((rotary != 0 && rotary != 1) || (interleaved != 0 && interleaved != 1))
+        return kiln_op_error(ORT_INVALID_ARGUMENT, NAME, "do_rotary and rotary_interleaved must be 0 or 1");
+    Kernel* kernel = calloc(1, sizeof(Kernel));
+    if (!kernel) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
+    *kernel = (Kernel){heads, kv_heads, kiln_attribute_float(info, "scale", 0.0f), (int)rotary, (int)interleaved};
+    *out = kernel;
+    return NULL;
+}
+
+static void destroy_kernel(void* data) { free(data); }
+
+#define INVALID(what) kiln_op_error(ORT_INVALID_ARGUMENT, NAME, what)
+
+static OrtStatus* compute(void* data, OrtKernelContext* context) {
+    const Kernel* kernel = data;
+    const OrtValue* in[INPUT_COUNT];
+    int64_t dims[INPUT_COUNT][4];
+    size_t rank[INPUT_COUNT];
+    OrtStatus* status;
+    for (size_t i = 0; i < INPUT_COUNT; i++) {
+        rank[i] = 0;
+        if ((status = kiln_input(context, i, &in[i]))) return status;
+        if (in[i] && (status = kiln_dims(in[i], dims[i], &rank[i], 4, NAME))) return status;
+    }
+    if (in[POSITION_IDS]) return INVALID("position_ids are not taken: it rotates each token by its slot");
+    if (rank[QUERY] != 3) return INVALID("query must be [batch, seq, hidden]");
+    int64_t batch = dims[QUERY][0], seq = dims[QUERY][1], heads = kernel->heads, kv_heads = kernel->kv_heads;
+    int packed = !in[KEY];
+    if (packed != !in[VALUE]) return INVALID("key and value must be both given or both absent (packed query)");
+    int64_t d = dims[QUERY][2] / (packed ? heads + 2 * kv_heads : heads);
+    if (d * (packed ? heads + 2 * kv_heads : heads) != dims[QUERY][2] || d % LANES || d <= 0 || d > MAX_HEAD_SIZE)
+        return INVALID("the head size must be a multiple of 16 up to 256, and query's last dimension that times the heads");
+    if (!packed)
+        for (int i = KEY; i <= VALUE; i++)
+            if (rank[i] != 3 || dims[i][0] != batch || dims[i][1] != seq || dims[i][2] != kv_heads * d)
+                return INVALID("key and value must be [batch, seq, kv_num_heads * head size]");
+    if (!in[PAST_KEY] || !in[PAST_VALUE]) return INVALID("past_key and past_value are required");
+    for (int i = PAST_KEY; i <= PAST_VALUE; i++)
+        if (rank[i] != 4 || dims[i][0] != batch || dims[i][1] != kv_heads || dims[i][3] != d || dims[i][2] != dims[PAST_KEY][2])
+            return INVALID("past_key and past_value must be [batch, kv_num_heads, slots, head size]");
+    if (rank[SEQLENS_K] != 1 || dims[SEQLENS_K][0] != batch) return INVALID("seqlens_k must be [batch]");
+    if (rank[TOTAL_LENGTH] > 1 || (rank[TOTAL_LENGTH] == 1 && dims[TOTAL_LENGTH][0] != 1))
+        return INVALID("total_sequence_length must be one number");
+    const int32_t* seqlens = kiln_data_of(in[SEQLENS_K]);
+    const int32_t* total_data = kiln_data_of(in[TOTAL_LENGTH]);
+    if ((batch && !seqlens) || !total_data) return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+    int64_t total = *total_data, past_slots = dims[PAST_KEY][2];
+    int64_t slots = total > past_slots ? total : past_slots;
+    int first_prompt = seq == total;
+    int64_t longest = 0;
+    for (int64_t r = 0; r < batch; r++) {
+        int64_t length = (int64_t)seqlens[r] + 1;
+        if (length < 1 || length > slots || (!first_prompt && length < seq))
+            return INVALID("a row's seqlens_k + 1 must be at least the new tokens and at most the KV buffers' slots");
+        if (length > longest) longest = length;
+    }
+    if (first_prompt && seq > longest) longest = seq;
+    int64_t half = 0;
+    if (kernel->rotary) {
+        if (!in[COS_CACHE] || !in[SIN_CACHE] || rank[COS_CACHE] != 2 || rank[SIN_CACHE] != 2 ||
+            dims[COS_CACHE][0] != dims[SIN_CACHE][0] || dims[COS_CACHE][1] != dims[SIN_CACHE][1] ||
+            2 * dims[COS_CACHE][1] > d || dims[COS_CACHE][1] <= 0)
+            return INVALID("do_rotary needs cos_cache and sin_cache, both [positions, rotary dimensions / 2 <= head size / 2]");
+        if (dims[COS_CACHE][0] < longest) return INVALID("cos_cache and sin_cache have fewer positions than a row's slots");
+        half = dims[COS_CACHE][1];
+    }
+    if (in[ATTENTION_BIAS] && (rank[ATTENTION_BIAS] != 4 || (dims[ATTENTION_BIAS][0] != 1 && dims[ATTENTION_BIAS][0] != batch) ||
+                               (dims[ATTENTION_BIAS][1] != 1 && dims[ATTENTION_BIAS][1] != heads) ||
+                               dims[ATTENTION_BIAS][2] != seq || dims[ATTENTION_BIAS][3] < longest))
+        return INVALID("attention_bias must be [batch or 1, num_heads or 1, seq, at least a row's slots]");
+
+    OrtValue *output, *present_key, *present_value;
+    int64_t out_dims[3] = {batch, seq, heads * d}, present_dims[4] = {batch, kv_heads, slots, d};
+    if ((status = kiln_output(context, 0, out_dims, 3, &output)) ||
+        (status = kiln_output(context, 1, present_dims, 4, &present_key)) ||
+        (status = kiln_output(context, 2, present_dims, 4, &present_value)))
+        return status;
+    if (batch == 0 || seq == 0) return NULL;
+    const float* query = kiln_data_of(in[QUERY]);
+    const float* past_key = kiln_data_of(in[PAST_KEY]);
+    const float* past_value = kiln_data_of(in[PAST_VALUE]);
+    float* keys = kiln_data_of(present_key);
+    float* values = kiln_data_of(present_value);
+    float* out = kiln_data_of(output);
+    if (!query || !keys || !values || !out || (past_slots && (!past_key || !past_value)))
+        return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+
+    Job job = {batch, seq, heads, kv_heads, heads / kv_heads, d,
+               query, packed ? query + heads * d : kiln_data_of(in[KEY]),
+               packed ? query + (heads + kv_heads) * d : kiln_data_of(in[VALUE]),
+               packed ? (heads + 2 * kv_heads) * d : heads * d, packed ? (heads + 2 * kv_heads) * d : kv_heads * d,
+               keys, values, slots, seqlens, first_prompt,
+               kernel->rotary ? kiln_data_of(in[COS_CACHE]) : NULL, kernel->rotary ? kiln_data_of(in[SIN_CACHE]) : NULL,
+               half, kernel->interleaved,
+               in[ATTENTION_BIAS] ? kiln_data_of(in[ATTENTION_BIAS]) : NULL,
+               in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][0] : 0, in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][1] : 0,
+               in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][3] : 0,
+               kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), out,
+               (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, (longest + LANES - 1) / LANES * LANES, 0, 1};
+    job.scratch_per_item = job.group * (job.padded_keys + d) + d * LANES;
+    /* ONNX Runtime's query block (group_query_attention's flash path): KV blocks sized to the L2 cache, at
+       most 2 * head size query rows a block. */
+    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
+    int64_t kv_block = l2 > 0 ? (int64_t)l2 / (int64_t)(sizeof(float) * 4 * 2 * d) : 1;
+    if (kv_block < 1) kv_block = 1;
+    job.q_block = kv_block < 2 * d ? kv_block : 2 * d;
+    if (job.q_block > seq) job.q_block = seq;
+    if (!job.k || !job.v || (kernel->rotary && (!job.cos || !job.sin)) || (in[ATTENTION_BIAS] && !job.bias))
+        return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+
+    /* The cache first: a copy of past where present is not its buffer (what ONNX Runtime's op writes:
+       zeros, then each row's past slots), then every row's new keys, rotated, and values. */
+    size_t head_bytes = sizeof(float) * (size_t)(slots * d);
+    for (int kind = 0; kind < 2; kind++) {
+        float* cache = kind ? values : keys;
+        const float* past = kind ? past_value : past_key;
+        if (cache == past) continue;
+        memset(cache, 0, head_bytes * (size_t)(batch * kv_heads));
+        for (int64_t r = 0; r < batch; r++) {
+            int64_t kept = past_of(&job, r) < past_slots ? past_of(&job, r) : past_slots;
+            for (int64_t g = 0; g < kv_heads; g++)
+                memcpy(cache + (r * kv_heads + g) * slots * d, past + (r * kv_heads + g) * past_slots * d,
+                       sizeof(float) * (size_t)(kept * d));
+        }
+    }
+    for (int64_t r = 0; r < batch; r++)
+        for (int64_t i = 0; i < seq; i++)
+            for (int64_t g = 0; g < kv_heads; g++) {
+                int64_t slot = past_of(&job, r) + i;
+                int64_t at = ((r * kv_heads + g) * slots + slot) * d, from = (r * seq + i) * job.kv_stride + g * d;
+                rotate(&job, job.k + from, keys + at, slot);
+                memcpy(values + at, job.v + from, sizeof(float) * (size_t)d);
+            }
+
+    size_t items = (size_t)(batch * kv_heads * job.chunks);
+    job.scratch = malloc(sizeof(float) * items * (size_t)job.scratch_per_item);
+    if (!job.scratch) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
+    if (items > 1 && batch * heads * seq * longest >= PARALLEL_SCORES) kiln_parallel(context, attend, items, &job);
+    else for (size_t i = 0; i < items; i++) attend(&job, i);
+    free(job.scratch);
+    return NULL;
+}
+
+static const char* op_name(const OrtCustomOp* op) { (void)op; return NAME; }
+static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+static int input_type(const OrtCustomOp* op, size_t i) {
+    (void)op;
+    return i == SEQLENS_K || i == TOTAL_LENGTH ? TYPE_INT32 : i == POSITION_IDS ? TYPE_INT64 : TYPE_FLOAT;
+}
+static size_t input_count(const OrtCustomOp* op) { (void)op; return INPUT_COUNT; }
+static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+static size_t output_count(const OrtCustomOp* op) { (void)op; return 3; }
+static int input_characteristic(const OrtCustomOp* op, size_t i) {
+    (void)op;
+    return i == QUERY || i == PAST_KEY || i == PAST_VALUE || i == SEQLENS_K || i == TOTAL_LENGTH ? REQUIRED : OPTIONAL;
+}
+static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+
+OrtCustomOp kiln_attention_op = {
+    .version = OP_VERSION,
+    .GetName = op_name,
+    .GetExecutionProviderType = op_provider,
+    .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputType = output_type,
+    .GetOutputTypeCount = output_count,
+    .KernelDestroy = destroy_kernel,
+    .GetInputCharacteristic = input_characteristic,
+    .GetOutputCharacteristic = output_characteristic,
+    .GetInputMemoryType = input_memory,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};

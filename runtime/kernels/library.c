@@ -1,0 +1,135 @@
+/* Kiln's CPU kernels as one ONNX Runtime custom-op library: the domain ai.kiln with its ops
+   (int8_blocks.c: MatMulInt8Blocks, MatMulInt4Blocks; attention.c: GroupQueryAttention), and the
+   helpers they share. runtime/cpu_kernels.py loads it, checks the CPU first (kiln_cpu_kernels_supported)
+   and registers it with each session that runs a kernels' graph. */
+
+#include <pthread.h>
+#include <stdio.h>
+#include <string.h>
+
+#include "ort_api.h"
+
+const OrtApi* kiln_api;
+
+/* -- what the runtime asks before registering the library (ctypes) ---------------------------------- */
+
+int kiln_cpu_kernels_supported(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni");
+}
+
+/* -- helpers --------------------------------------------------------------------------------------- */
+
+OrtStatus* kiln_op_error(int code, const char* op, const char* what) {
+    char message[512];
+    snprintf(message, sizeof message, "ai.kiln::%s: %s", op, what);
+    return CALL(API_CreateStatus, OrtStatus* (*)(int, const char*))(code, message);  /* it copies the message */
+}
+
+void kiln_release(OrtStatus* status) { CALL(API_ReleaseStatus, void (*)(OrtStatus*))(status); }
+
+void* kiln_data_of(const OrtValue* value) {
+    void* data = NULL;
+    OrtStatus* status = CALL(API_GetTensorMutableData, OrtStatus* (*)(const OrtValue*, void**))(value, &data);
+    if (status) { kiln_release(status); return NULL; }
+    return data;
+}
+
+OrtStatus* kiln_dims(const OrtValue* value, int64_t* dims, size_t* rank, size_t max_rank, const char* op) {
+    OrtShapeInfo* shape = NULL;
+    OrtStatus* status = CALL(API_GetTensorTypeAndShape, OrtStatus* (*)(const OrtValue*, OrtShapeInfo**))(value, &shape);
+    if (status) return status;
+    status = CALL(API_GetDimensionsCount, OrtStatus* (*)(const OrtShapeInfo*, size_t*))(shape, rank);
+    if (!status && *rank > max_rank) status = kiln_op_error(ORT_INVALID_ARGUMENT, op, "an input has too many dimensions");
+    if (!status) status = CALL(API_GetDimensions, OrtStatus* (*)(const OrtShapeInfo*, int64_t*, size_t))(shape, dims, *rank);
+    CALL(API_ReleaseTensorTypeAndShapeInfo, void (*)(OrtShapeInfo*))(shape);
+    return status;
+}
+
+OrtStatus* kiln_input(const OrtKernelContext* context, size_t index, const OrtValue** value) {
+    *value = NULL;
+    return CALL(API_KernelContext_GetInput, OrtStatus* (*)(const OrtKernelContext*, size_t, const OrtValue**))(
+        context, index, value);
+}
+
+OrtStatus* kiln_output(OrtKernelContext* context, size_t index, const int64_t* dims, size_t rank, OrtValue** value) {
+    *value = NULL;
+    return CALL(API_KernelContext_GetOutput, OrtStatus* (*)(OrtKernelContext*, size_t, const int64_t*, size_t, OrtValue**))(
+        context, index, dims, rank, value);
+}
+
+int64_t kiln_attribute_int(const OrtKernelInfo* info, const char* name, int64_t absent) {
+    int64_t value = absent;
+    OrtStatus* status = CALL(API_KernelInfoGetAttribute_int64, OrtStatus* (*)(const OrtKernelInfo*, const char*, int64_t*))(
+        info, name, &value);
+    if (status) { kiln_release(status); return absent; }
+    return value;
+}
+
+float kiln_attribute_float(const OrtKernelInfo* info, const char* name, float absent) {
+    float value = absent;
+    OrtStatus* status = CALL(API_KernelInfoGetAttribute_float, OrtStatus* (*)(const OrtKernelInfo*, const char*, float*))(
+        info, name, &value);
+    if (status) { kiln_release(status); return absent; }
+    return value;
+}
+
+void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void* data) {
+    OrtStatus* status = CALL(API_KernelContext_ParallelFor,
+                             OrtStatus* (*)(const OrtKernelContext*, void (*)(void*, size_t), size_t, size_t, void*))(
+        context, fn, total, 0, data);
+    if (status) {  /* no thread pool to run on: run here */
+        kiln_release(status);
+        for (size_t i = 0; i < total; i++) fn(data, i);
+    }
+}
+
+/* -- registration ---------------------------------------------------------------------------------- */
+
+/* Set up once for every session in the process: the API table, the CPU check, the domain with its ops.
+   The domain is published only whole; a failure is kept as a message and reported to each caller. */
+static OrtCustomOpDomain* domain;
+static const OrtApiBase* setup_base;
+static char setup_error[256];
+static pthread_once_t setup_once = PTHREAD_ONCE_INIT;
+
+static void keep_error(OrtStatus* status) {
+    const char* message = CALL(API_GetErrorMessage, const char* (*)(const OrtStatus*))(status);
+    strncpy(setup_error, message ? message : "unknown error", sizeof setup_error - 1);
+    kiln_release(status);
+}
+
+static void setup(void) {
+    kiln_api = setup_base->GetApi(API_VERSION);
+    if (!kiln_api) {
+        strcpy(setup_error, "Kiln's CPU kernels need ONNX Runtime 1.17 or later");
+        return;
+    }
+    if (!kiln_cpu_kernels_supported()) {
+        strcpy(setup_error, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
+        return;
+    }
+    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_attention_op};
+    OrtCustomOpDomain* made = NULL;
+    OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
+    for (size_t i = 0; !status && i < sizeof ops / sizeof *ops; i++)
+        status = CALL(API_CustomOpDomain_Add, OrtStatus* (*)(OrtCustomOpDomain*, const OrtCustomOp*))(made, ops[i]);
+    if (status) {
+        keep_error(status);
+        if (made) CALL(API_ReleaseCustomOpDomain, void (*)(OrtCustomOpDomain*))(made);
+        return;
+    }
+    domain = made;
+}
+
+/* What SessionOptions.register_custom_ops_library calls. */
+OrtStatus* RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* base) {
+    setup_base = base;
+    pthread_once(&setup_once, setup);
+    if (!domain) {  /* reported with whichever table this ONNX Runtime has: CreateStatus is entry 0 of all */
+        const OrtApi* table = kiln_api ? kiln_api : base->GetApi(1);
+        return ((OrtStatus * (*)(int, const char*))((void* const*)table)[API_CreateStatus])(ORT_FAIL, setup_error);
+    }
+    return CALL(API_AddCustomOpDomain, OrtStatus* (*)(OrtSessionOptions*, OrtCustomOpDomain*))(options, domain);
+}

@@ -1,0 +1,108 @@
+/* ONNX Runtime's C API, the parts Kiln's CPU kernels call, declared by hand, and the helpers the ops
+   share (library.c).
+
+   The function table is append-only across versions, so its indices hold for every release that has
+   the functions used (API version 17, ONNX Runtime 1.17, and later). No header of ONNX Runtime's is
+   needed to build the library, and it loads into whichever release the host has. */
+
+#ifndef KILN_ORT_API_H
+#define KILN_ORT_API_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct OrtStatus OrtStatus;
+typedef struct OrtApi OrtApi;  /* a table of function pointers, indexed below */
+typedef struct OrtKernelInfo OrtKernelInfo;
+typedef struct OrtKernelContext OrtKernelContext;
+typedef struct OrtValue OrtValue;
+typedef struct OrtShapeInfo OrtShapeInfo;
+typedef struct OrtSessionOptions OrtSessionOptions;
+typedef struct OrtCustomOpDomain OrtCustomOpDomain;
+
+typedef struct {
+    const OrtApi* (*GetApi)(uint32_t version);
+    const char* (*GetVersionString)(void);
+} OrtApiBase;
+
+/* Positions in the OrtApi table (append-only since 1.0; the last one used came with API version 17). */
+enum {
+    API_CreateStatus = 0,
+    API_GetErrorMessage = 2,
+    API_CreateCustomOpDomain = 26,
+    API_CustomOpDomain_Add = 27,
+    API_AddCustomOpDomain = 28,
+    API_GetTensorMutableData = 51,
+    API_GetDimensionsCount = 61,
+    API_GetDimensions = 62,
+    API_GetTensorShapeElementCount = 64,
+    API_GetTensorTypeAndShape = 65,
+    API_KernelInfoGetAttribute_float = 85,
+    API_KernelInfoGetAttribute_int64 = 86,
+    API_KernelContext_GetInput = 90,
+    API_KernelContext_GetOutput = 91,
+    API_ReleaseStatus = 93,
+    API_ReleaseTensorTypeAndShapeInfo = 99,
+    API_ReleaseCustomOpDomain = 101,
+    API_KernelInfoGetConstantInput_tensor = 249,
+    API_KernelContext_ParallelFor = 274,
+};
+#define API_VERSION 17  /* the table asked for: KernelContext_ParallelFor came with 1.17 */
+#define OP_VERSION 16   /* the OrtCustomOp fields filled: up to the V2 kernel callbacks */
+#define ORT_FAIL 1
+#define ORT_INVALID_ARGUMENT 2
+#define TYPE_FLOAT 1
+#define TYPE_UINT8 2
+#define TYPE_INT32 6
+#define TYPE_INT64 7
+#define REQUIRED 0
+#define OPTIONAL 1
+
+extern const OrtApi* kiln_api;  /* set once, before any op is registered (library.c) */
+#define CALL(index, type) ((type)(((void* const*)kiln_api)[index]))
+
+typedef struct OrtCustomOp {
+    uint32_t version;
+    void* (*CreateKernel)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*);
+    const char* (*GetName)(const struct OrtCustomOp*);
+    const char* (*GetExecutionProviderType)(const struct OrtCustomOp*);
+    int (*GetInputType)(const struct OrtCustomOp*, size_t);
+    size_t (*GetInputTypeCount)(const struct OrtCustomOp*);
+    int (*GetOutputType)(const struct OrtCustomOp*, size_t);
+    size_t (*GetOutputTypeCount)(const struct OrtCustomOp*);
+    void (*KernelCompute)(void*, OrtKernelContext*);
+    void (*KernelDestroy)(void*);
+    int (*GetInputCharacteristic)(const struct OrtCustomOp*, size_t);
+    int (*GetOutputCharacteristic)(const struct OrtCustomOp*, size_t);
+    int (*GetInputMemoryType)(const struct OrtCustomOp*, size_t);
+    int (*GetVariadicInputMinArity)(const struct OrtCustomOp*);
+    int (*GetVariadicInputHomogeneity)(const struct OrtCustomOp*);
+    int (*GetVariadicOutputMinArity)(const struct OrtCustomOp*);
+    int (*GetVariadicOutputHomogeneity)(const struct OrtCustomOp*);
+    OrtStatus* (*CreateKernelV2)(const struct OrtCustomOp*, const OrtApi*, const OrtKernelInfo*, void**);
+    OrtStatus* (*KernelComputeV2)(void*, OrtKernelContext*);
+    /* later fields (shape inference, version ranges, in-place maps) are not read at OP_VERSION */
+} OrtCustomOp;
+
+/* The ops, one table each (int8_blocks.c, attention.c). */
+extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_attention_op;
+
+/* -- shared by the ops (library.c) ----------------------------------------------------------------- */
+
+/* An error status naming the op: "ai.kiln::<op>: <what>". */
+OrtStatus* kiln_op_error(int code, const char* op, const char* what);
+void kiln_release(OrtStatus* status);
+/* A tensor's data, NULL where it has none. */
+void* kiln_data_of(const OrtValue* value);
+/* A tensor's dimensions (at most max_rank of them) into dims, its rank into rank. */
+OrtStatus* kiln_dims(const OrtValue* value, int64_t* dims, size_t* rank, size_t max_rank, const char* op);
+/* Input `index`, NULL where an optional one is absent. */
+OrtStatus* kiln_input(const OrtKernelContext* context, size_t index, const OrtValue** value);
+OrtStatus* kiln_output(OrtKernelContext* context, size_t index, const int64_t* dims, size_t rank, OrtValue** value);
+/* An integer attribute, `absent` where the node has none. */
+int64_t kiln_attribute_int(const OrtKernelInfo* info, const char* name, int64_t absent);
+float kiln_attribute_float(const OrtKernelInfo* info, const char* name, float absent);
+/* fn(data, i) for i in [0, total) on the session's intra-op threads, or here where it has none. */
+void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void* data);
+
+#endif

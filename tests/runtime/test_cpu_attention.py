@@ -1,0 +1,161 @@
+"""Kiln's attention kernel (runtime/kernels/attention.c, ai.kiln::GroupQueryAttention) in a real ONNX
+Runtime session, against com.microsoft::GroupQueryAttention on the same inputs: the same numbers bit for
+bit (the kernel follows the order of ONNX Runtime 1.32's sums), the KV buffers written in place when
+bound as past and present, each row's numbers independent of its neighbours; skipped where this machine
+cannot run the kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+from onnx import TensorProto, helper
+
+from runtime import cpu_kernels
+
+LIBRARY, WHY_NOT = cpu_kernels.library()
+pytestmark = pytest.mark.skipif(LIBRARY is None, reason=f"Kiln's CPU kernels: {WHY_NOT}")
+MASKED = -10000.0  # what the compiler's bias adds to a pad slot
+
+
+def attention_session(domain: str, heads: int, kv_heads: int, d: int, packed: bool = True, rotary: bool = True,
+                      bias: bool = False, **attributes) -> ort.InferenceSession:
+    """One GroupQueryAttention node as the compiler writes it: packed q/k/v (or three inputs), past and
+    present buffers, seqlens_k and total_sequence_length, cos/sin caches, an additive bias."""
+    width = (heads + 2 * kv_heads) * d if packed else heads * d
+    inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["b", "s", width])]
+    names = ["query", "", ""]
+    if not packed:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", kv_heads * d]) for n in ("key", "value")]
+        names = ["query", "key", "value"]
+    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", kv_heads, "slots", d]) for n in ("past_key", "past_value")]
+    inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
+               helper.make_tensor_value_info("total", TensorProto.INT32, [])]
+    names += ["past_key", "past_value", "seqlens_k", "total"]
+    if rotary:
+        inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["positions", "half"]) for n in ("cos", "sin")]
+    names += ["cos", "sin"] if rotary else ["", ""]
+    if bias:
+        inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, ["b", 1, "s", "t"]))
+        names += ["", "bias"]
+    node = helper.make_node("GroupQueryAttention", names, ["out", "present_key", "present_value"], domain=domain,
+                            num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(rotary), **attributes)
+    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")]
+    model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
+                              opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 2
+    if domain == cpu_kernels.DOMAIN:
+        options.register_custom_ops_library(str(LIBRARY))
+    return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def inputs_for(rng, heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, packed=True, rotary=True,
+               bias=False, half=None):
+    width = (heads + 2 * kv_heads) * d if packed else heads * d
+    feeds = {"query": rng.standard_normal((batch, seq, width), np.float32),
+             "past_key": rng.standard_normal((batch, kv_heads, slots, d), np.float32),
+             "past_value": rng.standard_normal((batch, kv_heads, slots, d), np.float32),
+             "seqlens_k": np.array(lengths, np.int32) - 1,
+             "total": np.array(seq if first_prompt else max(lengths), np.int32)}
+    if not packed:
+        feeds["key"] = rng.standard_normal((batch, seq, kv_heads * d), np.float32)
+        feeds["value"] = rng.standard_normal((batch, seq, kv_heads * d), np.float32)
+    if rotary:
+        angles = rng.uniform(0, 2 * np.pi, (slots + 8, half or d // 2)).astype(np.float32)
+        feeds["cos"], feeds["sin"] = np.cos(angles), np.sin(angles)
+    if bias:
+        feeds["bias"] = np.zeros((batch, 1, seq, int(feeds["total"])), np.float32)
+        feeds["bias"][..., 0] = MASKED  # a pad in front, as in a left-padded row
+    return feeds
+
+
+def run(session, feeds, shared):
+    """(out, present_key, present_value); `shared` binds one buffer as past and present of each kind."""
+    if not shared:
+        return session.run(None, feeds)
+    binding = session.io_binding()
+    arrays = {name: feeds[name].copy() for name in ("past_key", "past_value")}  # the OrtValues use their memory
+    buffers = {name: ort.OrtValue.ortvalue_from_numpy(array) for name, array in arrays.items()}
+    for name, value in feeds.items():
+        if name in buffers:
+            binding.bind_ortvalue_input(name, buffers[name])
+        else:
+            binding.bind_cpu_input(name, value)
+    binding.bind_output("out")
+    binding.bind_ortvalue_output("present_key", buffers["past_key"])
+    binding.bind_ortvalue_output("present_value", buffers["past_value"])
+    session.run_with_iobinding(binding)
+    return [binding.copy_outputs_to_cpu()[0], arrays["past_key"], arrays["past_value"]]
+
+
+CASES = {  # heads, kv heads, head size, batch, new tokens, slots, row lengths, first prompt, and options
+    "decode": (9, 3, 64, 4, 1, 24, [5, 10, 24, 1], False, {}),
+    "decode, 32 rows": (9, 3, 64, 32, 1, 64, list(range(10, 42)), False, {}),
+    "decode, a long cache": (9, 3, 64, 2, 1, 1600, [1500, 333], False, {}),
+    "prompt": (9, 3, 64, 2, 40, 64, [40, 40], True, {}),
+    "prompt of 129 (a query block of one row)": (9, 3, 64, 1, 129, 160, [129], True, {}),
+    "prompt of 300 (two slices of values)": (9, 3, 64, 1, 300, 320, [300], True, {}),
+    "prompt after past tokens": (9, 3, 64, 1, 5, 32, [15], False, {}),
+    "bias": (9, 3, 64, 1, 9, 16, [9], True, {"bias": True}),
+    "q, k, v apart": (9, 3, 64, 4, 1, 24, [5, 10, 24, 3], False, {"packed": False}),
+    "no rotary": (9, 3, 64, 4, 1, 24, [5, 10, 24, 3], False, {"rotary": False}),
+    "interleaved rotary": (9, 3, 64, 4, 1, 24, [5, 10, 24, 3], False, {"rotary_interleaved": 1}),
+    "partial rotary": (9, 3, 64, 4, 1, 24, [5, 10, 24, 3], False, {"half": 16}),
+    "head size 128": (8, 2, 128, 1, 200, 256, [200], True, {}),
+    "head size 80, 7 heads a group": (14, 2, 80, 4, 1, 24, [5, 10, 24, 3], False, {"half": 40}),
+    "scale": (9, 3, 64, 4, 1, 24, [5, 10, 24, 3], False, {"scale": 0.3}),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("shared", [True, False], ids=["in place", "copied"])
+def test_kiln_attention_gives_onnx_runtimes_numbers_bit_for_bit(name, shared):
+    heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, options = CASES[name]
+    data = {k: options[k] for k in ("packed", "rotary", "bias", "half") if k in options}
+    attributes = {k: v for k, v in options.items() if k not in data}
+    feeds = inputs_for(np.random.default_rng(len(name)), heads, kv_heads, d, batch, seq, slots, lengths, first_prompt,
+                       **data)
+    node_options = {k: v for k, v in data.items() if k != "half"}
+    ours = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, **node_options, **attributes), feeds, shared)
+    theirs = run(attention_session("com.microsoft", heads, kv_heads, d, **node_options, **attributes), feeds, shared)
+    assert ours[0].shape == theirs[0].shape == (batch, seq, heads * d)
+    assert ours[1].shape == theirs[1].shape
+    assert np.array_equal(ours[0], theirs[0])
+    for row, length in enumerate(lengths):  # the slots in use; ONNX Runtime leaves the others as they were
+        used = seq if first_prompt else length
+        assert np.array_equal(ours[1][row, :, :used], theirs[1][row, :, :used])
+        assert np.array_equal(ours[2][row, :, :used], theirs[2][row, :, :used])
+
+
+def test_past_onnx_runtimes_kv_block_the_numbers_agree_to_rounding():
+    """A prompt longer than ONNX Runtime's KV block (L2-sized: 512 keys at head size 64 with 1 MiB of L2)
+    is summed there in blocks with a running rescale, here in one pass: last-bit differences only."""
+    feeds = inputs_for(np.random.default_rng(0), 9, 3, 64, 1, 600, 640, [600], True)
+    ours = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64), feeds, True)[0]
+    theirs = run(attention_session("com.microsoft", 9, 3, 64), feeds, True)[0]
+    assert np.abs(ours - theirs).max() <= 1e-6 * np.abs(theirs).max()
+
+
+def test_a_rows_numbers_do_not_depend_on_its_neighbours():
+    rng = np.random.default_rng(1)
+    lengths = [7, 60, 33, 12]
+    feeds = inputs_for(rng, 9, 3, 64, 4, 1, 64, lengths, False)
+    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64)
+    together = run(session, feeds, True)
+    for row in range(4):
+        alone = {k: (v[row:row + 1] if k in ("query", "past_key", "past_value", "seqlens_k") else v)
+                 for k, v in feeds.items()}
+        alone["total"] = np.array(lengths[row], np.int32)
+        got = run(session, alone, True)
+        assert np.array_equal(got[0][0], together[0][row])
+
+
+def test_what_it_does_not_take_is_refused_in_one_line():
+    with pytest.raises(Exception, match="softcap, local_window_size and smooth_softmax are not taken"):
+        attention_session(cpu_kernels.DOMAIN, 9, 3, 64, softcap=30.0)
+    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64)
+    feeds = inputs_for(np.random.default_rng(2), 9, 3, 64, 1, 5, 16, [3], False)  # 5 new tokens in a row of 3
+    feeds["total"] = np.array(9, np.int32)
+    with pytest.raises(Exception, match="seqlens_k \\+ 1 must be at least the new tokens and at most"):
+        run(session, feeds, True)
