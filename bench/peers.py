@@ -11,8 +11,9 @@ with its model builder, and Kiln's cpu-int4 variant and a cpu-int8 with every la
 grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
 (`exclude: auto`) come from --artifact, the main command's artifact. Each Kiln row runs the graph this
 host would run: Kiln's CPU kernels where the variant ships their graph and the CPU has AVX-512 VNNI
-(runtime/cpu_kernels.py); the rows "Kiln cpu-int8 on MLAS" and "Kiln cpu-int4 on MLAS" run the same
-variants' model.onnx, on ONNX Runtime's own MatMulNBits, in the same rounds.
+(runtime/cpu_kernels.py; for fp32 its attention kernel alone); the rows "Kiln cpu-fp32 on MLAS", "Kiln
+cpu-int8 on MLAS" and "Kiln cpu-int4 on MLAS" run the same variants' model.onnx, on ONNX Runtime's own
+kernels (MatMul or MatMulNBits, and GroupQueryAttention), in the same rounds.
 
 The protocol (issue 19): 64 chat-templated prompts of 36 to 49 tokens, fed as token ids to every
 backend; greedy, exactly --new-tokens new tokens (EOS ignored); --threads threads each; tokens/s of
@@ -342,7 +343,9 @@ def load_backends(args, round_number: int | None = None) -> list:
     artifact, quantized, genai = prepared(args)
     threads = args.threads
     makers = [lambda: Eager(threads),
-              lambda: Kiln(artifact, "cpu-fp32", threads), lambda: Kiln(artifact, "cpu-int8", threads),
+              lambda: Kiln(artifact, "cpu-fp32", threads),
+              lambda: Kiln(artifact, "cpu-fp32", threads, label="Kiln cpu-fp32 on MLAS", mlas=True),
+              lambda: Kiln(artifact, "cpu-int8", threads),
               lambda: Kiln(artifact, "cpu-int8", threads, label="Kiln cpu-int8 on MLAS", mlas=True),
               lambda: Kiln(quantized, "cpu-int8", threads, label="Kiln cpu-int8, all quantized"),
               lambda: Kiln(quantized, "cpu-int4", threads),

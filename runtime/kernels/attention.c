@@ -23,8 +23,14 @@
    positions): its query heads share each key and value block while it is in L1, the scores of 16 keys
    come from one register tree, and the new keys are rotated straight into the cache.
 
-   Each row's numbers come from the same instructions in the same order whatever the batch or the
-   thread count (a work item never spans rows), so a sequence's logits do not depend on its neighbours. */
+   The numbers are ONNX Runtime 1.32's bit for bit (tests/runtime/test_cpu_attention.py): its rotary
+   kernel's roundings; a decode step's scores as MLAS's decode GEMV sums them (eight lanes, no FMA), a
+   prompt's as its SGEMM does (FMA chains in slices); MLAS's AVX-512 exponential and order of summing;
+   the values times the unnormalized probabilities in the same GEMV or SGEMM order (a prompt's query
+   block of one row through SGEMM's M = 1 kernel), then times 1 / sum; a prompt's keys in ONNX
+   Runtime's KV blocks (L2-sized) with its running rescale. Each row's numbers come from the same
+   instructions in the same order whatever the batch or the thread count (a work item never spans
+   rows), so a sequence's logits do not depend on its neighbours. */
 
 /* Every multiply and add below rounds as written: GCC would otherwise fuse a multiply and the add after
    it (its default -ffp-contract=fast) where ONNX Runtime's kernels round twice. */
@@ -44,7 +50,8 @@
 #define LANES 16
 #define MAX_HEAD_SIZE 256
 #define POSITIONS_PER_ITEM 16
-#define PARALLEL_SCORES 8192  /* fewer (query, key) pairs than this run on the calling thread */
+#define PARALLEL_SCORES 2048  /* fewer (query, key) pairs run on the calling thread: a decode step of
+                                 8 rows of SmolLM2 ran 41 us on one thread, 31 on two; 4 rows broke even */
 
 enum { QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE, SEQLENS_K, TOTAL_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS,
        ATTENTION_BIAS, INPUT_COUNT };
@@ -73,7 +80,7 @@ typedef struct {
     int64_t chunks;                /* position chunks per (row, kv head) */
     float* scratch;                /* per work item: scratch_per_item floats */
     int64_t padded_keys, scratch_per_item;
-    int64_t q_block;               /* ONNX Runtime's rows per query block in a prompt */
+    int64_t q_block, kv_block;     /* ONNX Runtime's query rows and keys per block in a prompt */
 } Job;
 
 static int64_t past_of(const Job* job, int64_t row) {
@@ -231,14 +238,18 @@ static inline __m512 mlas_exp(__m512 x, __m512 shift) {
     return _mm512_scalef_ps(p, m);
 }
 
-/* scores[0 .. n - 1] -> e^(score - max), in place; returns their sum. As MLAS computes a softmax's (compute.cpp,
-   MlasComputeSumExpF32KernelAvx512F): summed in one vector 48 then 16 values at a time, the vector reduced
-   in the kernel's order. */
-static float exponentials(float* scores, int64_t n) {
+static float row_max(const float* scores, int64_t n) {
     __m512 most = _mm512_set1_ps(-FLT_MAX);
     for (int64_t j = 0; j < n; j += LANES)
         most = _mm512_max_ps(most, _mm512_mask_loadu_ps(_mm512_set1_ps(-FLT_MAX), first_lanes(n - j), scores + j));
-    __m512 shift = _mm512_set1_ps(-_mm512_reduce_max_ps(most));
+    return _mm512_reduce_max_ps(most);
+}
+
+/* scores[0 .. n - 1] -> e^(score - most), in place; returns their sum. As MLAS computes a softmax's (compute.cpp,
+   MlasComputeSumExpF32KernelAvx512F): summed in one vector 48 then 16 values at a time, the vector reduced
+   in the kernel's order. */
+static float exponentials(float* scores, int64_t n, float most) {
+    __m512 shift = _mm512_set1_ps(-most);
     __m512 total = _mm512_setzero_ps();
     int64_t j = 0;
     for (; j + 3 * LANES <= n; j += 3 * LANES) {
@@ -272,15 +283,17 @@ enum {
 };
 
 /* outs[r][c .. c + 16 width) = factor[r] * sum over keys j < n of probs[r][j] * value j, for rows r < rows
-   (<= 4), each value vector loaded once for all the rows, summed as `order` says. Inlined with literal rows,
-   width and order. */
+   (<= 4), each value vector loaded once for all the rows, summed as `order` says; with `accumulate` the sum
+   starts from outs (SGEMM's beta = 1), and without `factor` it is stored as it is. Inlined with literal
+   rows, width and order. */
 static inline __attribute__((always_inline)) void weighted_sum(float* const* probs, int rows, int64_t n,
                                                                const float* values, int64_t d, int64_t c, int width,
-                                                               int order, int64_t slice, const float* factor,
-                                                               float* const* outs) {
+                                                               int order, int64_t slice, int accumulate,
+                                                               const float* factor, float* const* outs) {
     __m512 sum[4][4];
     for (int r = 0; r < rows; r++)
-        for (int t = 0; t < width; t++) sum[r][t] = _mm512_setzero_ps();
+        for (int t = 0; t < width; t++)
+            sum[r][t] = accumulate ? _mm512_loadu_ps(outs[r] + c + t * LANES) : _mm512_setzero_ps();
 #define VALUE(J, T) _mm512_loadu_ps(values + (J) * d + c + (T) * LANES)
 #define TERM(R, J, V) _mm512_mul_ps(_mm512_set1_ps(probs[R][J]), V)
     if (order == DECODE_GEMV) {
@@ -326,22 +339,23 @@ static inline __attribute__((always_inline)) void weighted_sum(float* const* pro
                 }
             for (int r = 0; r < rows; r++)
                 for (int t = 0; t < width; t++)
-                    sum[r][t] = j0 == 0 ? acc[r][t] : _mm512_add_ps(acc[r][t], sum[r][t]);
+                    sum[r][t] = j0 == 0 && !accumulate ? acc[r][t] : _mm512_add_ps(acc[r][t], sum[r][t]);
         }
     }
 #undef VALUE
 #undef TERM
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < width; t++)
-            _mm512_storeu_ps(outs[r] + c + t * LANES, _mm512_mul_ps(sum[r][t], _mm512_set1_ps(factor[r])));
+            _mm512_storeu_ps(outs[r] + c + t * LANES,
+                             factor ? _mm512_mul_ps(sum[r][t], _mm512_set1_ps(factor[r])) : sum[r][t]);
 }
 
 static void weighted_sums(float* const* probs, int rows, int64_t n, const float* values, int64_t d, int order,
-                          int64_t slice, const float* factor, float* const* outs) {
+                          int64_t slice, int accumulate, const float* factor, float* const* outs) {
     for (int64_t c = 0; c < d; c += 4 * LANES) {
         int width = d - c >= 4 * LANES ? 4 : (int)((d - c) / LANES);
-#define CASE(R, O) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, factor, outs); \
-                   else weighted_sum(probs, R, n, values, d, c, width, O, slice, factor, outs)
+#define CASE(R, O) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, accumulate, factor, outs); \
+                   else weighted_sum(probs, R, n, values, d, c, width, O, slice, accumulate, factor, outs)
 #define ROWS(R) if (order == DECODE_GEMV) { CASE(R, DECODE_GEMV); } else if (order == SGEMM_M1) { CASE(R, SGEMM_M1); } \
                 else { CASE(R, SGEMM); }
         switch (rows) {
@@ -357,8 +371,9 @@ static void weighted_sums(float* const* probs, int rows, int64_t n, const float*
 
 /* Work item i: (row, kv head, chunk of POSITIONS_PER_ITEM positions), every query head of the kv head.
    A position's query heads share one pass over the keys: 16 keys transposed, then their scores for up to
-   four heads at a time. The arithmetic is ONNX Runtime's (1.32, MLAS flashattn_gqa.cpp, one KV block):
-   scores, plus the bias, e^(score - max) and their sum, probs x V unnormalized, times 1 / sum. */
+   four heads at a time. The arithmetic is ONNX Runtime's (1.32, MLAS flashattn_gqa.cpp): scores, plus the
+   bias, e^(score - max) and their sum, probs x V unnormalized, times 1 / sum; a prompt's keys a KV block
+   at a time, each block's maximum rescaling what the blocks before it summed. */
 static void attend(void* data, size_t item) {
     const Job* job = data;
     int64_t chunk = (int64_t)item % job->chunks, g = (int64_t)item / job->chunks % job->kv_heads;
@@ -369,56 +384,82 @@ static void attend(void* data, size_t item) {
     const float* values = job->values + (row * job->kv_heads + g) * job->slots * d;
     float* scratch = job->scratch + (int64_t)item * job->scratch_per_item;
     float* queries = scratch + group * job->padded_keys;
-    float* columns = queries + group * d;  /* [d][16]: one block of keys transposed */
+    float* unnormalized = queries + group * d;  /* a prompt row's outputs before 1 / sum, per query head */
+    float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
     if (job->first_prompt) total = job->seq;  /* a prompt's GEMMs span all its slots */
     int decode = job->seq == 1;
-    int64_t score_slice = gemm_slice(total, d), value_slice = gemm_slice(d, total);
+    int64_t block = decode || job->kv_block >= total ? total : job->kv_block;
     for (int64_t i = first; i < last; i++) {
         int64_t n = past + i + 1;  /* causal: the slots up to this token's own */
         if (n > job->slots) n = job->slots;
         /* ONNX Runtime takes a prompt's queries q_block rows at a time; a block of one row goes through
-           SGEMM's M = 1 kernel, over all the block's keys (the masked ones' probabilities 0). */
+           SGEMM's M = 1 kernel, over all the KV block's keys (the masked ones' probabilities 0). */
         int alone = !decode && i / job->q_block == (job->seq - 1) / job->q_block && job->seq % job->q_block == 1;
         int order = decode ? DECODE_GEMV : alone ? SGEMM_M1 : SGEMM;
-        int64_t summed = order == SGEMM_M1 ? total : n;
         float* q[64];
         float* probs[64];
         float* outs[64];
-        float factor[64];
+        float* sums[64];
+        float most[64], summed[64], factor[64];
         for (int64_t h = 0; h < group; h++) {
             int64_t head = g * group + h;
             q[h] = queries + h * d;
             rotate(job, job->q + (row * job->seq + i) * job->q_stride + head * d, q[h], past + i);
             probs[h] = scratch + h * job->padded_keys;
             outs[h] = job->out + (row * job->seq + i) * job->heads * d + head * d;
+            sums[h] = unnormalized + h * d;
         }
-        for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-            transpose_keys(keys + j0 * d, n - j0 < LANES ? n - j0 : LANES, d, columns);
-            for (int64_t h = 0; h < group; h += 4) {
-                int rows = group - h < 4 ? (int)(group - h) : 4;
-                if (decode && d == 64) decode_score_blocks(columns, 64, q + h, rows, job->scale, j0, first_lanes(n - j0), probs + h);
-                else if (decode) decode_score_blocks(columns, d, q + h, rows, job->scale, j0, first_lanes(n - j0), probs + h);
-                else score_blocks(columns, d, score_slice, q + h, rows, job->scale, j0, first_lanes(n - j0), probs + h);
-            }
-        }
-        for (int64_t h = 0; h < group; h++) {
-            if (job->bias) {
-                int64_t head = g * group + h;
-                const float* bias = job->bias + ((job->bias_rows == 1 ? 0 : row * job->bias_heads) +
-                                                 (job->bias_heads == 1 ? 0 : head)) * job->seq * job->bias_slots +
-                                    i * job->bias_slots;
-                for (int64_t j = 0; j < n; j += LANES) {
-                    __mmask16 lanes = first_lanes(n - j);
-                    _mm512_mask_storeu_ps(probs[h] + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, probs[h] + j),
-                                                                              _mm512_maskz_loadu_ps(lanes, bias + j)));
+        for (int64_t start = 0; start < n; start += block) {
+            int64_t in_block = block < total - start ? block : total - start;
+            int64_t live = in_block < n - start ? in_block : n - start;
+            int64_t score_slice = gemm_slice(in_block, d);
+            for (int64_t j0 = 0; j0 < live; j0 += LANES) {
+                transpose_keys(keys + (start + j0) * d, live - j0 < LANES ? live - j0 : LANES, d, columns);
+                for (int64_t h = 0; h < group; h += 4) {
+                    int rows = group - h < 4 ? (int)(group - h) : 4;
+                    __mmask16 lanes = first_lanes(live - j0);
+                    if (decode && d == 64) decode_score_blocks(columns, 64, q + h, rows, job->scale, j0, lanes, probs + h);
+                    else if (decode) decode_score_blocks(columns, d, q + h, rows, job->scale, j0, lanes, probs + h);
+                    else score_blocks(columns, d, score_slice, q + h, rows, job->scale, j0, lanes, probs + h);
                 }
             }
-            factor[h] = 1.0f / exponentials(probs[h], n);
-            for (int64_t j = n; j < summed; j++) probs[h][j] = 0.0f;
+            for (int64_t h = 0; h < group; h++) {
+                if (job->bias) {
+                    int64_t head = g * group + h;
+                    const float* bias = job->bias + ((job->bias_rows == 1 ? 0 : row * job->bias_heads) +
+                                                     (job->bias_heads == 1 ? 0 : head)) * job->seq * job->bias_slots +
+                                        i * job->bias_slots + start;
+                    for (int64_t j = 0; j < live; j += LANES) {
+                        __mmask16 lanes = first_lanes(live - j);
+                        _mm512_mask_storeu_ps(probs[h] + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, probs[h] + j),
+                                                                                  _mm512_maskz_loadu_ps(lanes, bias + j)));
+                    }
+                }
+                float block_most = row_max(probs[h], live);
+                if (start == 0) {
+                    most[h] = block_most;
+                    summed[h] = exponentials(probs[h], live, block_most);
+                } else {  /* the running rescale, as ONNX Runtime's online softmax does it */
+                    float before = most[h];
+                    most[h] = before < block_most ? block_most : before;
+                    float block_sum = exponentials(probs[h], live, most[h]);
+                    float rescale = expf(before - most[h]);
+                    summed[h] = rescale * summed[h] + block_sum;
+                    for (int64_t c = 0; c < d; c++) sums[h][c] *= rescale;
+                }
+                if (order == SGEMM_M1)
+                    for (int64_t j = live; j < in_block; j++) probs[h][j] = 0.0f;
+            }
+            int64_t count = order == SGEMM_M1 ? in_block : live;
+            for (int64_t h = 0; h < group; h += 4)
+                weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, count, values + start * d, d, order,
+                              gemm_slice(d, in_block), start > 0, NULL, sums + h);
         }
-        for (int64_t h = 0; h < group; h += 4)
-            weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, summed, values, d, order, value_slice,
-                          factor + h, outs + h);
+        for (int64_t h = 0; h < group; h++) {
+            factor[h] = summed[h] > 0.0f ? 1.0f / summed[h] : 0.0f;
+            for (int64_t c = 0; c < d; c += LANES)
+                _mm512_storeu_ps(outs[h] + c, _mm512_mul_ps(_mm512_loadu_ps(sums[h] + c), _mm512_set1_ps(factor[h])));
+        }
     }
 }
 
@@ -534,13 +575,14 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][0] : 0, in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][1] : 0,
                in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][3] : 0,
                kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), out,
-               (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, (longest + LANES - 1) / LANES * LANES, 0, 1};
-    job.scratch_per_item = job.group * (job.padded_keys + d) + d * LANES;
+               (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, (longest + LANES - 1) / LANES * LANES, 0, 1, 1};
+    job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES;
     /* ONNX Runtime's query block (group_query_attention's flash path): KV blocks sized to the L2 cache, at
        most 2 * head size query rows a block. */
     long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
     int64_t kv_block = l2 > 0 ? (int64_t)l2 / (int64_t)(sizeof(float) * 4 * 2 * d) : 1;
     if (kv_block < 1) kv_block = 1;
+    job.kv_block = kv_block;
     job.q_block = kv_block < 2 * d ? kv_block : 2 * d;
     if (job.q_block > seq) job.q_block = seq;
     if (!job.k || !job.v || (kernel->rotary && (!job.cos || !job.sin)) || (in[ATTENTION_BIAS] && !job.bias))
