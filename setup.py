@@ -10,7 +10,10 @@ import platform
 from setuptools import Extension, setup
 
 X86 = platform.machine().lower() in ("x86_64", "amd64")
-FLAGS = ["-O3", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma"]
+# -ffp-contract=off: a multiply and the add after it round twice, as written (GCC's default would fuse
+# them, Clang's may): the attention kernel reproduces ONNX Runtime's roundings (int8_blocks.c compiles to
+# the same code either way).
+FLAGS = ["-O3", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-ffp-contract=off"]
 
 SOURCES = [f"runtime/kernels/{name}.c" for name in ("library", "int8_blocks", "attention")]
 

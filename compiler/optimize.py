@@ -298,8 +298,10 @@ def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, A
 
 def _kernel_attention(node: Any, graph: Any) -> bool:
     """Whether ai.kiln::GroupQueryAttention (runtime/kernels/attention.c) computes what this node does:
-    past buffers given, no position ids or later inputs, no softcap, local window or other variation,
-    fp32 heads of a multiple of 16 up to 256 (read from past_key's declared shape)."""
+    past buffers given, no position ids or later inputs or outputs, no softcap, local window or other
+    variation, at most 64 query heads a kv head, fp32 heads of a multiple of 16 up to 256 (read from the
+    past buffers' declared shapes). The op refuses the others when the session loads, which would cost
+    the variant its whole kernels' graph."""
     import onnx
 
     if (node.domain, node.op_type) != ("com.microsoft", "GroupQueryAttention"):
@@ -310,15 +312,18 @@ def _kernel_attention(node: Any, graph: Any) -> bool:
             or attributes.get("softcap", 0.0) != 0.0 or attributes.get("local_window_size", -1) != -1
             or attributes.get("do_rotary", 0) not in (0, 1) or attributes.get("rotary_interleaved", 0) not in (0, 1)):
         return False
+    heads, kv_heads = attributes.get("num_heads", 0), attributes.get("kv_num_heads", 0)
+    if not (0 < kv_heads and heads % kv_heads == 0 and 0 < heads // kv_heads <= 64):  # the op's limit
+        return False
     inputs = list(node.input) + [""] * (11 - len(node.input))
-    if len(node.input) > 11 or inputs[9] or not (inputs[3] and inputs[4]) or len([o for o in node.output if o]) > 3:
+    if len(node.input) > 11 or inputs[9] or not (inputs[3] and inputs[4]) or len(node.output) > 3:
         return False
     declared = {v.name: v.type.tensor_type for v in [*graph.input, *graph.value_info, *graph.output]}
-    past = declared.get(inputs[3])
-    if past is None or past.elem_type != onnx.TensorProto.FLOAT or len(past.shape.dim) != 4:
+    pasts = [declared.get(name) for name in inputs[3:5]]
+    if any(p is None or p.elem_type != onnx.TensorProto.FLOAT or len(p.shape.dim) != 4 for p in pasts):
         return False
-    head_size = past.shape.dim[3].dim_value
-    return 0 < head_size <= 256 and head_size % 16 == 0
+    head_size = pasts[0].shape.dim[3].dim_value
+    return 0 < head_size <= 256 and head_size % 16 == 0 and pasts[1].shape.dim[3].dim_value == head_size
 
 
 def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[str, Any],

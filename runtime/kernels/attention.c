@@ -32,9 +32,8 @@
    instructions in the same order whatever the batch or the thread count (a work item never spans
    rows), so a sequence's logits do not depend on its neighbours. */
 
-/* Every multiply and add below rounds as written: GCC would otherwise fuse a multiply and the add after
-   it (its default -ffp-contract=fast) where ONNX Runtime's kernels round twice. */
-#pragma GCC optimize("fp-contract=off")
+/* Every multiply and add below must round as written (setup.py builds with -ffp-contract=off): a fused
+   multiply-add where ONNX Runtime's kernels round twice would change the last bit. */
 
 #include <float.h>
 #include <immintrin.h>
@@ -50,6 +49,7 @@
 #define LANES 16
 #define MAX_HEAD_SIZE 256
 #define POSITIONS_PER_ITEM 16
+#define MAX_SHARDS 32          /* enough to balance any thread count up to 32 */
 #define PARALLEL_SCORES 2048  /* fewer (query, key) pairs run on the calling thread: a decode step of
                                  8 rows of SmolLM2 ran 41 us on one thread, 31 on two; 4 rows broke even */
 
@@ -78,7 +78,8 @@ typedef struct {
     float scale;
     float* out;                    /* [batch][seq][heads * d] */
     int64_t chunks;                /* position chunks per (row, kv head) */
-    float* scratch;                /* per work item: scratch_per_item floats */
+    float* scratch;                /* per shard: scratch_per_item floats */
+    int64_t items, shards;         /* work items, and shards of them (run_shard) */
     int64_t padded_keys, scratch_per_item;
     int64_t q_block, kv_block;     /* ONNX Runtime's query rows and keys per block in a prompt */
 } Job;
@@ -374,15 +375,13 @@ static void weighted_sums(float* const* probs, int rows, int64_t n, const float*
    four heads at a time. The arithmetic is ONNX Runtime's (1.32, MLAS flashattn_gqa.cpp): scores, plus the
    bias, e^(score - max) and their sum, probs x V unnormalized, times 1 / sum; a prompt's keys a KV block
    at a time, each block's maximum rescaling what the blocks before it summed. */
-static void attend(void* data, size_t item) {
-    const Job* job = data;
-    int64_t chunk = (int64_t)item % job->chunks, g = (int64_t)item / job->chunks % job->kv_heads;
-    int64_t row = (int64_t)item / job->chunks / job->kv_heads;
+static void attend(const Job* job, int64_t item, float* scratch) {
+    int64_t chunk = item % job->chunks, g = item / job->chunks % job->kv_heads;
+    int64_t row = item / job->chunks / job->kv_heads;
     int64_t d = job->d, group = job->group, past = past_of(job, row), total = (int64_t)job->seqlens[row] + 1;
     int64_t first = chunk * POSITIONS_PER_ITEM, last = first + POSITIONS_PER_ITEM < job->seq ? first + POSITIONS_PER_ITEM : job->seq;
     const float* keys = job->keys + (row * job->kv_heads + g) * job->slots * d;
     const float* values = job->values + (row * job->kv_heads + g) * job->slots * d;
-    float* scratch = job->scratch + (int64_t)item * job->scratch_per_item;
     float* queries = scratch + group * job->padded_keys;
     float* unnormalized = queries + group * d;  /* a prompt row's outputs before 1 / sum, per query head */
     float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
@@ -463,6 +462,14 @@ static void attend(void* data, size_t item) {
     }
 }
 
+/* Shard s of job->shards: items s, s + shards, ... with one scratch area (a prompt's later positions, the
+   costlier ones, spread over the shards). */
+static void run_shard(void* data, size_t shard) {
+    const Job* job = data;
+    for (int64_t item = (int64_t)shard; item < job->items; item += job->shards)
+        attend(job, item, job->scratch + (int64_t)shard * job->scratch_per_item);
+}
+
 /* -- the op ---------------------------------------------------------------------------------------- */
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
@@ -504,6 +511,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     if (in[POSITION_IDS]) return INVALID("position_ids are not taken: it rotates each token by its slot");
     if (rank[QUERY] != 3) return INVALID("query must be [batch, seq, hidden]");
     int64_t batch = dims[QUERY][0], seq = dims[QUERY][1], heads = kernel->heads, kv_heads = kernel->kv_heads;
+    if (batch > 0 && seq < 1) return INVALID("query must have at least one token a row");
     int packed = !in[KEY];
     if (packed != !in[VALUE]) return INVALID("key and value must be both given or both absent (packed query)");
     int64_t d = dims[QUERY][2] / (packed ? heads + 2 * kv_heads : heads);
@@ -554,7 +562,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
         (status = kiln_output(context, 1, present_dims, 4, &present_key)) ||
         (status = kiln_output(context, 2, present_dims, 4, &present_value)))
         return status;
-    if (batch == 0 || seq == 0) return NULL;
+    if (batch == 0) return NULL;
     const float* query = kiln_data_of(in[QUERY]);
     const float* past_key = kiln_data_of(in[PAST_KEY]);
     const float* past_value = kiln_data_of(in[PAST_VALUE]);
@@ -575,7 +583,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][0] : 0, in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][1] : 0,
                in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][3] : 0,
                kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), out,
-               (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, (longest + LANES - 1) / LANES * LANES, 0, 1, 1};
+               (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, 0, 0, (longest + LANES - 1) / LANES * LANES, 0, 1, 1};
     job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES;
     /* ONNX Runtime's query block (group_query_attention's flash path): KV blocks sized to the L2 cache, at
        most 2 * head size query rows a block. */
@@ -587,6 +595,13 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     if (job.q_block > seq) job.q_block = seq;
     if (!job.k || !job.v || (kernel->rotary && (!job.cos || !job.sin)) || (in[ATTENTION_BIAS] && !job.bias))
         return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+    /* Shards of work items, each with one scratch area: enough to balance the threads, and the scratch
+       grows with the longest row, not with the prompt's positions. Allocated before the cache is touched,
+       so a failure leaves the cache as it was. */
+    job.items = batch * kv_heads * job.chunks;
+    job.shards = job.items < MAX_SHARDS ? job.items : MAX_SHARDS;
+    job.scratch = malloc(sizeof(float) * (size_t)job.shards * (size_t)job.scratch_per_item);
+    if (!job.scratch) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
 
     /* The cache first: a copy of past where present is not its buffer (what ONNX Runtime's op writes:
        zeros, then each row's past slots), then every row's new keys, rotated, and values. */
@@ -612,11 +627,10 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                 memcpy(values + at, job.v + from, sizeof(float) * (size_t)d);
             }
 
-    size_t items = (size_t)(batch * kv_heads * job.chunks);
-    job.scratch = malloc(sizeof(float) * items * (size_t)job.scratch_per_item);
-    if (!job.scratch) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
-    if (items > 1 && batch * heads * seq * longest >= PARALLEL_SCORES) kiln_parallel(context, attend, items, &job);
-    else for (size_t i = 0; i < items; i++) attend(&job, i);
+    if (job.shards > 1 && batch * heads * seq * longest >= PARALLEL_SCORES)
+        kiln_parallel(context, run_shard, (size_t)job.shards, &job);
+    else
+        for (int64_t item = 0; item < job.items; item++) attend(&job, item, job.scratch);
     free(job.scratch);
     return NULL;
 }

@@ -285,3 +285,26 @@ def test_an_fp32_variant_runs_its_attention_in_kilns_kernel_bit_for_bit(tiny_art
             assert np.array_equal(got[real], expected[real])
     for backend in backends:
         backend.close()
+
+
+def test_only_attention_the_kernel_takes_moves_to_it():
+    """Nodes the op would refuse when the session loads stay com.microsoft's: a refusal there would cost
+    the variant its whole kernels' graph."""
+    from onnx import TensorProto, helper
+
+    from compiler.optimize import _kernel_attention
+
+    def node_in_graph(heads=8, kv_heads=2, head_size=64, outputs=3, **attributes):
+        past = [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", kv_heads, "p", head_size]) for n in ("pk", "pv")]
+        node = helper.make_node("GroupQueryAttention", ["q", "", "", "pk", "pv", "s", "t"],
+                                ["o", "k", "v", ""][:outputs], domain="com.microsoft", num_heads=heads,
+                                kv_num_heads=kv_heads, **attributes)
+        return node, helper.make_graph([node], "g", past, [])
+
+    assert _kernel_attention(*node_in_graph())
+    assert not _kernel_attention(*node_in_graph(heads=128, kv_heads=1))  # 128 query heads a kv head: over 64
+    assert not _kernel_attention(*node_in_graph(outputs=4))  # an output_qk slot, even empty
+    assert not _kernel_attention(*node_in_graph(head_size=40))  # not a multiple of 16
+    assert not _kernel_attention(*node_in_graph(softcap=30.0))
+    assert not _kernel_attention(*node_in_graph(local_window_size=4096))
+    assert not _kernel_attention(*node_in_graph(smooth_softmax=1))
