@@ -20,8 +20,8 @@
    the keys, a softmax and a second GEMM, each with MLAS's per-call setup, after copying the packed
    projections into a transposed buffer and rotating into another. At batch 32 on SmolLM2 that was a
    quarter of an int8 decode step for a few MFLOPs. Here one work item is (row, kv head, up to 16
-   positions): its query heads share each key and value block while it is in L1, the scores of 16 keys
-   come from one register tree, and the new keys are rotated straight into the cache.
+   positions): its query heads share each block of 16 keys, transposed once in registers, and each
+   value row while they are in L1, and the new keys are rotated straight into the cache.
 
    The numbers are ONNX Runtime 1.32's bit for bit (tests/runtime/test_cpu_attention.py): its rotary
    kernel's roundings; a decode step's scores as MLAS's decode GEMV sums them (eight lanes, no FMA), a
@@ -60,6 +60,7 @@ typedef struct {
     int64_t heads, kv_heads;
     float scale;  /* 0: 1 / sqrt(d) */
     int rotary, interleaved;
+    long l2;      /* the L2 cache's bytes, which size ONNX Runtime's KV blocks */
 } Kernel;
 
 typedef struct {
@@ -211,8 +212,10 @@ static inline __attribute__((always_inline)) void decode_score_block(const float
     }
 }
 
-static inline __attribute__((always_inline)) void decode_score_blocks(const float* columns, int64_t d, float* const* q, int rows, float alpha, int64_t j0,
-                                __mmask16 lanes, float* const* scores) {
+static inline __attribute__((always_inline)) void decode_score_blocks(const float* columns, int64_t d,
+                                                                      float* const* q, int rows, float alpha,
+                                                                      int64_t j0, __mmask16 lanes,
+                                                                      float* const* scores) {
     switch (rows) {
         case 1: decode_score_block(columns, d, q, 1, alpha, j0, lanes, scores); break;
         case 2: decode_score_block(columns, d, q, 2, alpha, j0, lanes, scores); break;
@@ -283,14 +286,13 @@ enum {
     SGEMM,        /* a prompt's block of rows (SGEMM): one FMA chain per slice of keys, the slices added in order */
 };
 
-/* outs[r][c .. c + 16 width) = factor[r] * sum over keys j < n of probs[r][j] * value j, for rows r < rows
-   (<= 4), each value vector loaded once for all the rows, summed as `order` says; with `accumulate` the sum
-   starts from outs (SGEMM's beta = 1), and without `factor` it is stored as it is. Inlined with literal
-   rows, width and order. */
+/* outs[r][c .. c + 16 width) = sum over keys j < n of probs[r][j] * value j, for rows r < rows (<= 4), each
+   value vector loaded once for all the rows, summed as `order` says; with `accumulate` the sum starts from
+   outs (SGEMM's beta = 1). Inlined with literal rows, width and order. */
 static inline __attribute__((always_inline)) void weighted_sum(float* const* probs, int rows, int64_t n,
                                                                const float* values, int64_t d, int64_t c, int width,
                                                                int order, int64_t slice, int accumulate,
-                                                               const float* factor, float* const* outs) {
+                                                               float* const* outs) {
     __m512 sum[4][4];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < width; t++)
@@ -347,16 +349,15 @@ static inline __attribute__((always_inline)) void weighted_sum(float* const* pro
 #undef TERM
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < width; t++)
-            _mm512_storeu_ps(outs[r] + c + t * LANES,
-                             factor ? _mm512_mul_ps(sum[r][t], _mm512_set1_ps(factor[r])) : sum[r][t]);
+            _mm512_storeu_ps(outs[r] + c + t * LANES, sum[r][t]);
 }
 
 static void weighted_sums(float* const* probs, int rows, int64_t n, const float* values, int64_t d, int order,
-                          int64_t slice, int accumulate, const float* factor, float* const* outs) {
+                          int64_t slice, int accumulate, float* const* outs) {
     for (int64_t c = 0; c < d; c += 4 * LANES) {
         int width = d - c >= 4 * LANES ? 4 : (int)((d - c) / LANES);
-#define CASE(R, O) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, accumulate, factor, outs); \
-                   else weighted_sum(probs, R, n, values, d, c, width, O, slice, accumulate, factor, outs)
+#define CASE(R, O) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, accumulate, outs); \
+                   else weighted_sum(probs, R, n, values, d, c, width, O, slice, accumulate, outs)
 #define ROWS(R) if (order == DECODE_GEMV) { CASE(R, DECODE_GEMV); } else if (order == SGEMM_M1) { CASE(R, SGEMM_M1); } \
                 else { CASE(R, SGEMM); }
         switch (rows) {
@@ -399,7 +400,7 @@ static void attend(const Job* job, int64_t item, float* scratch) {
         float* probs[64];
         float* outs[64];
         float* sums[64];
-        float most[64], summed[64], factor[64];
+        float most[64], summed[64];
         for (int64_t h = 0; h < group; h++) {
             int64_t head = g * group + h;
             q[h] = queries + h * d;
@@ -452,12 +453,12 @@ static void attend(const Job* job, int64_t item, float* scratch) {
             int64_t count = order == SGEMM_M1 ? in_block : live;
             for (int64_t h = 0; h < group; h += 4)
                 weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, count, values + start * d, d, order,
-                              gemm_slice(d, in_block), start > 0, NULL, sums + h);
+                              gemm_slice(d, in_block), start > 0, sums + h);
         }
         for (int64_t h = 0; h < group; h++) {
-            factor[h] = summed[h] > 0.0f ? 1.0f / summed[h] : 0.0f;
+            __m512 factor = _mm512_set1_ps(summed[h] > 0.0f ? 1.0f / summed[h] : 0.0f);
             for (int64_t c = 0; c < d; c += LANES)
-                _mm512_storeu_ps(outs[h] + c, _mm512_mul_ps(_mm512_loadu_ps(sums[h] + c), _mm512_set1_ps(factor[h])));
+                _mm512_storeu_ps(outs[h] + c, _mm512_mul_ps(_mm512_loadu_ps(sums[h] + c), factor));
         }
     }
 }
@@ -488,12 +489,11 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
         return kiln_op_error(ORT_INVALID_ARGUMENT, NAME, "do_rotary and rotary_interleaved must be 0 or 1");
     Kernel* kernel = calloc(1, sizeof(Kernel));
     if (!kernel) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
-    *kernel = (Kernel){heads, kv_heads, kiln_attribute_float(info, "scale", 0.0f), (int)rotary, (int)interleaved};
+    *kernel = (Kernel){heads, kv_heads, kiln_attribute_float(info, "scale", 0.0f), (int)rotary, (int)interleaved,
+                       sysconf(_SC_LEVEL2_CACHE_SIZE)};
     *out = kernel;
     return NULL;
 }
-
-static void destroy_kernel(void* data) { free(data); }
 
 #define INVALID(what) kiln_op_error(ORT_INVALID_ARGUMENT, NAME, what)
 
@@ -587,8 +587,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES;
     /* ONNX Runtime's query block (group_query_attention's flash path): KV blocks sized to the L2 cache, at
        most 2 * head size query rows a block. */
-    long l2 = sysconf(_SC_LEVEL2_CACHE_SIZE);
-    int64_t kv_block = l2 > 0 ? (int64_t)l2 / (int64_t)(sizeof(float) * 4 * 2 * d) : 1;
+    int64_t kv_block = kernel->l2 > 0 ? (int64_t)kernel->l2 / (int64_t)(sizeof(float) * 4 * 2 * d) : 1;
     if (kv_block < 1) kv_block = 1;
     job.kv_block = kv_block;
     job.q_block = kv_block < 2 * d ? kv_block : 2 * d;
@@ -636,33 +635,24 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
 }
 
 static const char* op_name(const OrtCustomOp* op) { (void)op; return NAME; }
-static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) {
     (void)op;
     return i == SEQLENS_K || i == TOTAL_LENGTH ? TYPE_INT32 : i == POSITION_IDS ? TYPE_INT64 : TYPE_FLOAT;
 }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return INPUT_COUNT; }
-static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 3; }
 static int input_characteristic(const OrtCustomOp* op, size_t i) {
     (void)op;
     return i == QUERY || i == PAST_KEY || i == PAST_VALUE || i == SEQLENS_K || i == TOTAL_LENGTH ? REQUIRED : OPTIONAL;
 }
-static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
 OrtCustomOp kiln_attention_op = {
-    .version = OP_VERSION,
+    KILN_OP_COMMON,
     .GetName = op_name,
-    .GetExecutionProviderType = op_provider,
     .GetInputType = input_type,
     .GetInputTypeCount = input_count,
-    .GetOutputType = output_type,
     .GetOutputTypeCount = output_count,
-    .KernelDestroy = destroy_kernel,
     .GetInputCharacteristic = input_characteristic,
-    .GetOutputCharacteristic = output_characteristic,
-    .GetInputMemoryType = input_memory,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
 };

@@ -320,7 +320,6 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     return NULL;
 }
 
-static void destroy_kernel(void* data) { free(data); }  /* the weights belong to the session */
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
@@ -347,28 +346,19 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
 }
 
 static const char* op_name(const OrtCustomOp* op) { return name_for_bits(op_bits(op)); }
-static const char* op_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return 2; }
-static int output_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
 static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int output_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
-static int input_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 
 /* The two ops differ only in what op_bits returns for them. */
 #define BLOCKS_OP {                                  \
-    .version = OP_VERSION,                           \
+    KILN_OP_COMMON,                                  \
     .GetName = op_name,                              \
-    .GetExecutionProviderType = op_provider,         \
     .GetInputType = input_type,                      \
     .GetInputTypeCount = input_count,                \
-    .GetOutputType = output_type,                    \
     .GetOutputTypeCount = output_count,              \
-    .KernelDestroy = destroy_kernel,                 \
     .GetInputCharacteristic = input_characteristic,  \
-    .GetOutputCharacteristic = output_characteristic,\
-    .GetInputMemoryType = input_memory,              \
     .CreateKernelV2 = create_kernel,                 \
     .KernelComputeV2 = compute,                      \
 }

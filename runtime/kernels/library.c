@@ -4,6 +4,7 @@
    and registers it with each session that runs a kernels' graph. */
 
 #include <pthread.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <string.h>
 
@@ -84,6 +85,12 @@ void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void*
         for (size_t i = 0; i < total; i++) fn(data, i);
     }
 }
+
+const char* kiln_cpu_provider(const OrtCustomOp* op) { (void)op; return "CPUExecutionProvider"; }
+int kiln_cpu_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
+int kiln_float_output(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+int kiln_required_output(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+void kiln_free_kernel(void* kernel) { free(kernel); }
 
 /* -- registration ---------------------------------------------------------------------------------- */
 

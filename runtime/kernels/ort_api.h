@@ -105,4 +105,16 @@ float kiln_attribute_float(const OrtKernelInfo* info, const char* name, float ab
 /* fn(data, i) for i in [0, total) on the session's intra-op threads, or here where it has none. */
 void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void* data);
 
+/* What every Kiln op answers alike: it runs on the CPU provider, its inputs are in CPU memory, its
+   outputs are fp32 and always written, and its kernel is one block from malloc (any weights it points
+   to belong to the session). An op's table starts with KILN_OP_COMMON and adds the rest. */
+const char* kiln_cpu_provider(const OrtCustomOp* op);
+int kiln_cpu_memory(const OrtCustomOp* op, size_t i);
+int kiln_float_output(const OrtCustomOp* op, size_t i);
+int kiln_required_output(const OrtCustomOp* op, size_t i);
+void kiln_free_kernel(void* kernel);
+#define KILN_OP_COMMON .version = OP_VERSION, .GetExecutionProviderType = kiln_cpu_provider, \
+    .GetInputMemoryType = kiln_cpu_memory, .GetOutputType = kiln_float_output,            \
+    .GetOutputCharacteristic = kiln_required_output, .KernelDestroy = kiln_free_kernel
+
 #endif
