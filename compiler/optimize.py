@@ -242,7 +242,12 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     proto.graph.initializer.extend(kept)
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     onnx.save(proto, str(folder / MODEL_FILE))
-    built = saved_graph(folder, graph.interface, graph.shapes)
+    interface = graph.interface
+    if attentions and not any(n.op_type == "GroupQueryAttention" and n.domain != DOMAIN for n in proto.graph.node):
+        # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
+        # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
+        interface = {**interface, "prefill": "batched"}
+    built = saved_graph(folder, interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
         len(eligible) + len(attentions)
 

@@ -485,6 +485,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         shutil.rmtree(kernels.folder)
         graph = dataclasses.replace(graph, files=[*graph.files, KERNEL_MODEL_FILE, *packed])
         kernel_summary["kernel_model"] = f"variants/{variant.name}/{KERNEL_MODEL_FILE}"
+        if kernels.interface.get("prefill") == "batched":
+            kernel_summary["kernel_prefill"] = "batched"
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],

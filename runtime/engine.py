@@ -21,9 +21,11 @@ Two designs fit that, and this engine takes from both:
 Here a finished row becomes a free row (its mask all zero; nothing is copied), and a joining
 sequence's prefilled slots are copied into a free row, right-aligned: only its own slots move, as
 in a llama.cpp slot. The whole cache is copied, TGI's way, only when the batch needs more rows than
-it has, when a prompt wider than the batch needs columns in front, when free rows would cost more
-decode work than one copy (compaction), or when columns that are padding in every row are dropped
-(a quarter of the width, or shared buffers out of room: in place, without new memory).
+it has (growing by the rows the waiting requests will take too: a burst that prefills over several
+steps costs one copy, not one a step), when a prompt wider than the batch needs columns in front,
+when free rows would cost more decode work than one copy (compaction), or when columns that are
+padding in every row are dropped (a quarter of the width, or shared buffers out of room: in place,
+without new memory).
 
 Prefill goes first, so a new request waits at most one step for its first token, but no more than
 `max_prefill_tokens` prompt tokens run between two decode steps: a burst of long prompts cannot
@@ -617,6 +619,9 @@ class Engine:
             return
         free = running.free_rows()
         missing = max(0, len(sequences) - len(free))
+        if missing:  # rows for the requests waiting behind these too: one copy of the cache, not one per join
+            wanted = self._live_rows() + len(sequences) + self._waiting_rows(sequences)
+            missing = max(missing, min(wanted, self.max_batch_size) - len(running.rows))
         front = max(0, prefilled.width - running.width)
         if missing or front:  # the one case a join copies the running cache: more rows, or wider
             order = list(range(len(running.rows))) + [-1] * missing
@@ -630,6 +635,17 @@ class Engine:
         running.cache = self.backend.write_rows(running.cache, targets, prefilled.cache, sources)
         for target, sequence, length in zip(targets, sequences, lengths, strict=True):
             running.rows[target], running.lengths[target] = sequence, length
+
+    def _waiting_rows(self, joining: list[_Sequence]) -> int:
+        """The rows the waiting requests take when admitted, first come first served, as far as the KV
+        slots in flight allow with `joining` running too."""
+        rows, reserved = 0, self._reserved() + sum(self._reach(s.request) for s in joining)
+        for request in self.waiting:
+            reserved += request.params.rows * self._reach(request)
+            if self.max_tokens_in_flight is not None and reserved > self.max_tokens_in_flight:
+                break
+            rows += request.params.rows
+        return rows
 
     def _make_room(self, batch: _Batch, slots: int) -> None:
         """Before a step that adds `slots` columns: drop the columns that are padding in every row when

@@ -30,7 +30,11 @@
    block of one row through SGEMM's M = 1 kernel), then times 1 / sum; a prompt's keys in ONNX
    Runtime's KV blocks (L2-sized) with its running rescale. Each row's numbers come from the same
    instructions in the same order whatever the batch or the thread count (a work item never spans
-   rows), so a sequence's logits do not depend on its neighbours. */
+   rows), so a sequence's logits do not depend on its neighbours. One departure, for that: in a first
+   prompt of rows of different lengths (right-padded), ONNX Runtime sizes a row's blocks by the longest
+   row, so its numbers change with the padding (a row of 129 tokens alone ends in a query block of one
+   row, SGEMM's M = 1 kernel; padded to 140 it does not); here each row gets ONNX Runtime's numbers for
+   it alone, and its pads' outputs are zeros. */
 
 /* Every multiply and add below must round as written (setup.py builds with -ffp-contract=off): a fused
    multiply-add where ONNX Runtime's kernels round twice would change the last bit. */
@@ -386,15 +390,25 @@ static void attend(const Job* job, int64_t item, float* scratch) {
     float* queries = scratch + group * job->padded_keys;
     float* unnormalized = queries + group * d;  /* a prompt row's outputs before 1 / sum, per query head */
     float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
-    if (job->first_prompt) total = job->seq;  /* a prompt's GEMMs span all its slots */
+    /* A first prompt's GEMMs span all its slots. A row shorter than the step (right-padded, its pads after
+       its mask's end) is computed as ONNX Runtime computes it alone, over its own slots: its numbers do
+       not depend on how far the longest row reaches. Its pads' outputs are zeros. */
+    int64_t span = job->first_prompt ? total : job->seq;
+    if (job->first_prompt) total = span;
+    int64_t q_block = job->q_block < span ? job->q_block : span;
     int decode = job->seq == 1;
     int64_t block = decode || job->kv_block >= total ? total : job->kv_block;
     for (int64_t i = first; i < last; i++) {
+        if (i >= span) {
+            for (int64_t h = 0; h < group; h++)
+                memset(job->out + (row * job->seq + i) * job->heads * d + (g * group + h) * d, 0, sizeof(float) * d);
+            continue;
+        }
         int64_t n = past + i + 1;  /* causal: the slots up to this token's own */
         if (n > job->slots) n = job->slots;
         /* ONNX Runtime takes a prompt's queries q_block rows at a time; a block of one row goes through
            SGEMM's M = 1 kernel, over all the KV block's keys (the masked ones' probabilities 0). */
-        int alone = !decode && i / job->q_block == (job->seq - 1) / job->q_block && job->seq % job->q_block == 1;
+        int alone = !decode && i / q_block == (span - 1) / q_block && span % q_block == 1;
         int order = decode ? DECODE_GEMV : alone ? SGEMM_M1 : SGEMM;
         float* q[64];
         float* probs[64];

@@ -262,6 +262,8 @@ def test_an_fp32_variant_runs_its_attention_in_kilns_kernel_bit_for_bit(tiny_art
         return
     assert entry["kernel_model"] == "variants/cpu-fp32/model_kernels.onnx"
     assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry["files"]  # no packed weights
+    every = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
+    assert (entry.get("kernel_prefill") == "batched") == (len(taken) == len(every))  # each row as alone
     kernels = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)
     ours = [(n.domain, n.op_type) for n in kernels.graph.node]
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(taken)

@@ -481,6 +481,7 @@ def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant, m
         monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
         cpu_kernels.library.cache_clear()
     assert generator.backend.front_aligned
+    assert generator.backend.rows_alike_in_prompts == (generator.backend.kernels is not None)  # prompts in one step
     rng = np.random.default_rng(3)
     prompts = [[int(t) for t in rng.integers(1, 300, int(rng.integers(3, 40)))] for _ in range(8)]
     params = SamplingParams(max_new_tokens=16, ignore_eos=True, logprobs=0)

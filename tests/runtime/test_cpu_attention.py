@@ -146,6 +146,29 @@ def test_a_rows_numbers_do_not_depend_on_its_neighbours():
         assert np.array_equal(got[0][0], together[0][row])
 
 
+def test_a_right_padded_first_prompt_gives_each_row_its_numbers_alone():
+    """Rows of a first prompt shorter than the step (right-padded: the backend's batched prefill) get ONNX
+    Runtime's numbers for the row alone, where ONNX Runtime's own change with the padding: a row of 129
+    tokens alone ends in a query block of one row (SGEMM's M = 1 kernel), padded to 300 it does not.
+    A row's pads get zeros; its slots in use hold what they hold alone."""
+    lengths = [129, 300, 60, 140]
+    feeds = inputs_for(np.random.default_rng(5), 9, 3, 64, 4, 300, 320, lengths, True)
+    ours = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64), feeds, True)
+    session = attention_session("com.microsoft", 9, 3, 64)
+    padded = run(session, feeds, True)
+    for row, length in enumerate(lengths):
+        alone = {k: v[row:row + 1] for k, v in feeds.items() if k in ("past_key", "past_value", "seqlens_k")}
+        alone.update(query=feeds["query"][row:row + 1, :length], total=np.array(length, np.int32),
+                     cos=feeds["cos"], sin=feeds["sin"])
+        theirs = run(session, alone, True)
+        assert np.array_equal(ours[0][row, :length], theirs[0][0])
+        assert not ours[0][row, length:].any()
+        for kind in (1, 2):
+            assert np.array_equal(ours[kind][row, :, :length], theirs[kind][0, :, :length])
+        if length == 129:  # what this departs from
+            assert not np.array_equal(padded[0][row, :length], theirs[0][0])
+
+
 def test_what_it_does_not_take_is_refused_in_one_line():
     with pytest.raises(Exception, match="softcap, local_window_size and smooth_softmax are not taken"):
         attention_session(cpu_kernels.DOMAIN, 9, 3, 64, softcap=30.0)

@@ -75,6 +75,23 @@ def test_free_rows_are_reused_padding_dropped_and_idle_rows_compacted(tiny_artif
     assert engine.running is None  # idle: the cache is let go
 
 
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifacts, variant, monkeypatch):
+    """Requests that arrive together but prefill a few at a time (the prefill budget) join a batch grown
+    once, with rows for those still waiting: one copy of the cache, not one per join."""
+    generator = Generator.load(tiny_artifacts["llama"], variant, max_batch_size=8)
+    prompts = [[5 + i] * 15 for i in range(8)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    alone = [generator.generate([p], params)[0].token_ids for p in prompts]
+    backend, engine = generator.backend, generator.engine
+    engine.max_prefill_tokens = 30  # two prompts a prefill step
+    grown, keep_rows = [], backend.keep_rows
+    monkeypatch.setattr(backend, "keep_rows", lambda cache, rows, *rest: (
+        grown.append(len(rows)) if len(rows) > cache.batch else None) or keep_rows(cache, rows, *rest))
+    assert [r.token_ids for r in generator.generate(prompts, params)] == alone
+    assert grown == [8]
+
+
 def test_n_sequences_fork_from_one_prefill(tiny_artifacts):
     generator = Generator.load(tiny_artifacts["qwen2"])
     greedy = generator.generate(["The quick brown"], SamplingParams(max_new_tokens=8, n=3, ignore_eos=True))[0]
@@ -246,3 +263,32 @@ def test_tokens_in_flight_bound_admission_and_answers_stay_the_same(tiny_artifac
         most = max(most, len(running))
     assert [results[i].token_ids for i in range(len(prompts))] == alone
     assert 1 < most < len(prompts)
+
+
+def test_a_padded_first_prefill_gives_each_row_its_numbers_alone(tiny_artifacts, family, monkeypatch):
+    """Prompts of different lengths prefill in one step where every attention is Kiln's kernel (the
+    manifest's `kernel_prefill: batched`), each row moved to the front of its buffers; row by row
+    elsewhere. Either way every row's logits and keys and values equal the row's alone, bit for bit."""
+    from runtime.engine import left_padded, right_aligned_mask
+
+    generator = Generator.load(tiny_artifacts[family], "cpu-fp32")
+    backend = generator.backend
+    assert backend.front_aligned
+    batched = generator.artifact.variant("cpu-fp32").get("kernel_prefill") == "batched"
+    assert backend.rows_alike_in_prompts == (batched and backend.kernels is not None)
+    rng = np.random.default_rng(len(family))
+    prompts = [[int(t) for t in rng.integers(1, 300, n)] for n in (9, 31, 17, 30, 24, 2)]
+    ids, _ = left_padded(prompts, 0)
+    lengths = np.array([len(p) for p in prompts])
+    width = ids.shape[1]
+    positions = np.clip(lengths[:, None] - width + np.arange(width)[None, :], 0, None)
+    steps = []
+    monkeypatch.setattr(backend, "_run_first_prompts", lambda *a, run=backend._run_first_prompts: steps.append(1) or run(*a))
+    logits, cache = backend.run(ids, right_aligned_mask(width, lengths), positions, backend.new_cache(len(prompts), 40))
+    assert steps == [1] * backend.batched_prefill
+    for row, prompt in enumerate(prompts):
+        alone, own = backend.run(np.array([prompt]), np.ones((1, len(prompt)), np.int64),
+                                 np.arange(len(prompt))[None, :], backend.new_cache(1, 40))
+        assert np.array_equal(logits[row, -1], alone[0, -1])
+        for together, single in zip(cache, own, strict=True):
+            assert np.array_equal(together[row, :, :len(prompt)], single[0, :, :len(prompt)])
