@@ -47,6 +47,7 @@ INT8_BLOCKS_OP = "MatMulInt8Blocks"
 INT4_BLOCKS_OP = "MatMulInt4Blocks"
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
+LIBRARY_VERSION = 2  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 
 
 @functools.cache
@@ -63,6 +64,9 @@ def library() -> tuple[Path | None, str]:
         loaded = ctypes.CDLL(str(path))
     except OSError as error:
         return None, f"{path.name} could not be loaded: {error}"
+    version = getattr(loaded, "kiln_cpu_kernels_version", None)
+    if version is None or version() != LIBRARY_VERSION:
+        return None, f"{path.name} was built from other sources than this Kiln's: reinstall Kiln to rebuild it"
     if not loaded.kiln_cpu_kernels_supported():
         return None, "this CPU has no AVX-512 VNNI"
     return path, ""

@@ -22,7 +22,7 @@ Here a finished row becomes a free row (its mask all zero; nothing is copied), a
 sequence's prefilled slots are copied into a free row, right-aligned: only its own slots move, as
 in a llama.cpp slot. The whole cache is copied, TGI's way, only when the batch needs more rows than
 it has (growing by the rows the waiting requests will take too: a burst that prefills over several
-steps costs one copy, not one a step), when a prompt wider than the batch needs columns in front,
+steps grows the batch once, not at each step), when a prompt wider than the batch needs columns in front,
 when free rows would cost more decode work than one copy (compaction), or when columns that are
 padding in every row are dropped (a quarter of the width, or shared buffers out of room: in place,
 without new memory).
@@ -637,12 +637,14 @@ class Engine:
             running.rows[target], running.lengths[target] = sequence, length
 
     def _waiting_rows(self, joining: list[_Sequence]) -> int:
-        """The rows the waiting requests take when admitted, first come first served, as far as the KV
-        slots in flight allow with `joining` running too."""
+        """The rows the waiting requests take when admitted, first come first served, as far as the batch's
+        rows and the KV slots in flight allow with `joining` running too."""
+        room = self.max_batch_size - self._live_rows() - len(joining)
         rows, reserved = 0, self._reserved() + sum(self._reach(s.request) for s in joining)
         for request in self.waiting:
             reserved += request.params.rows * self._reach(request)
-            if self.max_tokens_in_flight is not None and reserved > self.max_tokens_in_flight:
+            if rows + request.params.rows > room or (
+                    self.max_tokens_in_flight is not None and reserved > self.max_tokens_in_flight):
                 break
             rows += request.params.rows
         return rows

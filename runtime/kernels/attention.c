@@ -393,7 +393,7 @@ static void attend(const Job* job, int64_t item, float* scratch) {
     /* A first prompt's GEMMs span all its slots. A row shorter than the step (right-padded, its pads after
        its mask's end) is computed as ONNX Runtime computes it alone, over its own slots: its numbers do
        not depend on how far the longest row reaches. Its pads' outputs are zeros. */
-    int64_t span = job->first_prompt ? total : job->seq;
+    int64_t span = job->first_prompt && total < job->seq ? total : job->seq;
     if (job->first_prompt) total = span;
     int64_t q_block = job->q_block < span ? job->q_block : span;
     int decode = job->seq == 1;

@@ -14,6 +14,11 @@ const OrtApi* kiln_api;
 
 /* -- what the runtime asks before registering the library (ctypes) ---------------------------------- */
 
+/* What runtime/cpu_kernels.py checks the library against (LIBRARY_VERSION), raised whenever an op's
+   numbers or contract change: a library built from older sources (an editable checkout not rebuilt)
+   is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). */
+int kiln_cpu_kernels_version(void) { return 2; }
+
 int kiln_cpu_kernels_supported(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&

@@ -97,6 +97,21 @@ def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
 
 
 @needs_kernels
+def test_a_library_built_from_other_sources_is_not_run(monkeypatch):
+    """The library says which version of the ops it was built from; a stale build (an editable checkout
+    not reinstalled) would compute other numbers than the manifest promises, so it is not loaded."""
+    monkeypatch.setattr(cpu_kernels, "LIBRARY_VERSION", cpu_kernels.LIBRARY_VERSION + 1)
+    cpu_kernels.library.cache_clear()
+    try:
+        path, why = cpu_kernels.library()
+        assert path is None and why.endswith("built from other sources than this Kiln's: reinstall Kiln to rebuild it")
+    finally:
+        monkeypatch.undo()
+        cpu_kernels.library.cache_clear()
+    assert cpu_kernels.library() == (LIBRARY, WHY_NOT)
+
+
+@needs_kernels
 def test_a_nan_activation_gives_nan_outputs_not_numbers():
     """A NaN in a block must reach the output as it would in fp32, where int8 rounding would hide it
     (a NaN code saturates to -128) and the compiler's finiteness check would pass a broken graph."""
