@@ -168,8 +168,11 @@ class Kiln:
         else:
             self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
         manifest = json.loads((Path(artifact) / "manifest.json").read_text())
+        # What decides its numbers and its speed: the graph's bytes, the kernels, and whether prompts
+        # prefill in one step (a build from before `kernel_prefill` runs the same graph row by row).
+        backend = self.generator.backend
         self.graph = (*(manifest["files"][f]["sha256"] for f in manifest["variants"][variant]["files"]),
-                      self.generator.backend.kernels is not None)
+                      backend.kernels is not None, getattr(backend, "batched_prefill", False))
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
         from runtime.sampling import SamplingParams
