@@ -22,7 +22,8 @@ Here a finished row becomes a free row (its mask all zero; nothing is copied), a
 sequence's prefilled slots are copied into a free row, right-aligned: only its own slots move, as
 in a llama.cpp slot. The whole cache is copied, TGI's way, only when the batch needs more rows than
 it has (growing by the rows the waiting requests will take too: a burst that prefills over several
-steps grows the batch once, not at each step), when a prompt wider than the batch needs columns in front,
+steps grows the batch once, not at each step), when a prompt wider than the batch needs columns in front
+that shared buffers have no room for,
 when free rows would cost more decode work than one copy (compaction), or when columns that are
 padding in every row are dropped (a quarter of the width, or shared buffers out of room: in place,
 without new memory).
@@ -626,7 +627,9 @@ class Engine:
         if missing or front:  # the one case a join copies the running cache: more rows, or wider
             order = list(range(len(running.rows))) + [-1] * missing
             width = running.width + front
-            capacity = max(running.cache.capacity or 0, self._capacity(width))
+            capacity = running.cache.capacity
+            if missing or capacity is None or capacity <= width:  # copied anyway, or short: room to grow
+                capacity = max(capacity or 0, self._capacity(width))
             running.cache = self.backend.keep_rows(running.cache, order, front, capacity)
             running.rows += [None] * missing
             running.lengths = np.concatenate([running.lengths, np.zeros(missing, np.int64)])

@@ -78,18 +78,28 @@ def test_free_rows_are_reused_padding_dropped_and_idle_rows_compacted(tiny_artif
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifacts, variant, monkeypatch):
     """Requests that arrive together but prefill a few at a time (the prefill budget) join a batch grown
-    once, with rows for those still waiting: one copy of the cache, not one per join."""
+    once, with rows for those still waiting: one copy of the cache, not one per join. Later, wider
+    prompts need columns in front: in shared buffers with room for them, no copy either."""
     generator = Generator.load(tiny_artifacts["llama"], variant, max_batch_size=8)
-    prompts = [[5 + i] * 15 for i in range(8)]
+    prompts = [[5 + i] * (12 + i) for i in range(8)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     alone = [generator.generate([p], params)[0].token_ids for p in prompts]
     backend, engine = generator.backend, generator.engine
-    engine.max_prefill_tokens = 30  # two prompts a prefill step
-    grown, keep_rows = [], backend.keep_rows
-    monkeypatch.setattr(backend, "keep_rows", lambda cache, rows, *rest: (
-        grown.append(len(rows)) if len(rows) > cache.batch else None) or keep_rows(cache, rows, *rest))
+    engine.max_prefill_tokens = 40  # two prompts a prefill step
+    grown, copies, keep_rows = [], [], backend.keep_rows
+
+    def counted(cache, rows, *rest):
+        if len(rows) > cache.batch:
+            grown.append(len(rows))
+        kept = keep_rows(cache, rows, *rest)
+        copies.extend([1] * (kept is not cache))
+        return kept
+
+    monkeypatch.setattr(backend, "keep_rows", counted)
     assert [r.token_ids for r in generator.generate(prompts, params)] == alone
     assert grown == [8]
+    if backend.front_aligned:
+        assert len(copies) == 1
 
 
 def test_n_sequences_fork_from_one_prefill(tiny_artifacts):
