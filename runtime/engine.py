@@ -22,11 +22,10 @@ Here a finished row becomes a free row (its mask all zero; nothing is copied), a
 sequence's prefilled slots are copied into a free row, right-aligned: only its own slots move, as
 in a llama.cpp slot. The whole cache is copied, TGI's way, only when the batch needs more rows than
 it has (growing by the rows the waiting requests will take too: a burst that prefills over several
-steps grows the batch once, not at each step), when a prompt wider than the batch needs columns in front
-that shared buffers have no room for,
-when free rows would cost more decode work than one copy (compaction), or when columns that are
-padding in every row are dropped (a quarter of the width, or shared buffers out of room: in place,
-without new memory).
+steps grows the batch once, not at each step), when a prompt wider than the batch needs columns in
+front that shared buffers have no room for, when free rows would cost more decode work than one
+copy (compaction), or when columns that are padding in every row are dropped (a quarter of the
+width, or shared buffers out of room: in place, without new memory).
 
 Prefill goes first, so a new request waits at most one step for its first token, but no more than
 `max_prefill_tokens` prompt tokens run between two decode steps: a burst of long prompts cannot
