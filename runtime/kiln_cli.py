@@ -330,7 +330,9 @@ def _describe_variant(artifact, entry: dict) -> str:
         measured = entry["kernel_accuracy"]
         lines.append(f"  kernels    {artifact.folder / entry['kernel_model']}: top-1 {measured['top1_agreement']:.3f}, "
                      f"perplexity {measured['perplexity_change']:+.2%} vs eager; "
-                     + ("this host runs it" if kernels else f"this host runs the graph above ({why})"))
+                     + ("this host runs it" if kernels else f"this host runs the graph above ({why})")
+                     + ("; prompts of different lengths prefill in one step"
+                        if kernels and entry.get("kernel_prefill") == "batched" else ""))
     fused = ", ".join(f"{k} {v}" for k, v in (entry.get("fusions") or {}).items() if v) or "none"
     lines.append(f"  fusions    {fused}")
     lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"
