@@ -275,10 +275,9 @@ class OnnxRuntimeBackend:
             logits, cache = self._run_in_place(*self._beside_dummy(input_ids, lengths, position_ids, spare), cache)
             logits = logits[:rows]
         elif seq == 1 or (np.all(new == seq) and np.all(lengths == seq)):
-            target = KvCache([array[:rows] for array in cache], 0, True) if spare else cache
-            logits, _ = self._run_in_place(input_ids, front_mask(lengths), position_ids, target)
+            logits, _ = self._run_in_place(input_ids, front_mask(lengths), position_ids, _first_rows(cache, rows))
         elif self.batched_prefill and np.all(lengths == new) and new.min() > 0 and 2 * new.sum() >= rows * new.max():
-            logits = self._run_first_prompts(input_ids, new, position_ids, cache, rows)
+            logits = self._run_first_prompts(input_ids, new, position_ids, _first_rows(cache, rows))
         else:  # a chunk after earlier ones, or a padded prefill mostly of pads: each row alone, without its pads
             logits = np.zeros((len(input_ids), 1 if self.logits_last else seq, self.vocab_size), np.float32)
             for row in np.flatnonzero(new):
@@ -293,17 +292,16 @@ class OnnxRuntimeBackend:
         cache.length = attention_mask.shape[1]
         return logits, cache
 
-    def _run_first_prompts(self, input_ids: np.ndarray, new: np.ndarray, position_ids: np.ndarray, cache: KvCache,
-                           rows: int) -> np.ndarray:
+    def _run_first_prompts(self, input_ids: np.ndarray, new: np.ndarray, position_ids: np.ndarray,
+                           cache: KvCache) -> np.ndarray:
         """Rows' first prompts of different lengths in one step, each moved to the front of its row (pads
         after it, where the row's mask ends): what each row computes is what it computes alone."""
-        seq = input_ids.shape[1]
+        rows, seq = input_ids.shape
         # Column j of row i is the caller's column (j + pads_i) mod seq: its tokens first, then its pads.
         columns = (np.arange(int(new.max()))[None, :] + (seq - new)[:, None]) % seq
         ids = np.take_along_axis(input_ids, columns, 1)
         positions = np.take_along_axis(np.asarray(position_ids), columns, 1)
-        target = KvCache([array[:rows] for array in cache], 0, True) if cache[0].shape[0] > rows else cache
-        out, _ = self._run_in_place(ids, front_mask(new), positions, target)
+        out, _ = self._run_in_place(ids, front_mask(new), positions, cache)
         if self.logits_last:  # the graph takes each row's last token by its mask
             return out
         logits = np.zeros((rows, seq, self.vocab_size), out.dtype)
@@ -362,6 +360,11 @@ class OnnxRuntimeBackend:
         self.session.run_with_iobinding(cache.binding)
         cache.length = attention_mask.shape[1]
         return cache.logits.copy(), cache  # a copy: the next run writes the same buffer
+
+
+def _first_rows(cache: KvCache, rows: int) -> KvCache:
+    """The cache's first `rows` rows, without the spare row behind them where it has one."""
+    return KvCache([array[:rows] for array in cache], 0, True) if cache[0].shape[0] > rows else cache
 
 
 def rows_of(arrays: list[np.ndarray], rows: Sequence[int], lead: int, length: int, front: int,

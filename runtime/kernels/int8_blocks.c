@@ -320,7 +320,6 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     return NULL;
 }
 
-
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
     const char* name = name_for_bits(kernel->weights.bits);
