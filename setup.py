@@ -1,4 +1,4 @@
-"""Kiln's CPU kernels (runtime/kernels/*.c: matmuls of int8 and int4 blocks, attention), built into a
+"""Kiln's CPU kernels (runtime/kernels/*.c: matmuls of int8 and int4 blocks, attention, SwiGLU), built into a
 shared library that ONNX Runtime loads as a custom-op library (runtime/cpu_kernels.py).
 Everything else about the package is in pyproject.toml.
 
@@ -15,7 +15,9 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # the same code either way).
 FLAGS = ["-O3", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-ffp-contract=off"]
 
-SOURCES = [f"runtime/kernels/{name}.c" for name in ("library", "int8_blocks", "attention")]
+SOURCES = [f"runtime/kernels/{name}.c" for name in ("library", "int8_blocks", "attention", "swiglu")]
 
-setup(ext_modules=[Extension("runtime._cpu_kernels", SOURCES, depends=["runtime/kernels/ort_api.h"],
-                             extra_compile_args=FLAGS, extra_link_args=["-pthread"], optional=True)] if X86 else [])
+HEADERS = [f"runtime/kernels/{name}.h" for name in ("ort_api", "silu")]
+
+setup(ext_modules=[Extension("runtime._cpu_kernels", SOURCES, depends=HEADERS, extra_compile_args=FLAGS,
+                             extra_link_args=["-pthread"], optional=True)] if X86 else [])

@@ -154,14 +154,16 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE, each
     GroupQueryAttention the kernel takes as ai.kiln::GroupQueryAttention (same inputs and attributes),
     and every other weight read from `graph`'s weights file; and how many nodes it runs. None and why
-    not where no node qualifies. An fp32 graph gets one for its attention alone.
+    not where no node qualifies. An fp32 graph gets one for its attention and SwiGLUs.
 
     A 4-bit node that reads its activations' block means beside them (a Q4_1 grid's zero-point
     correction, compiler/quantize.py _encode_int4_grid) becomes one node on the activations alone: the
     correction's weights become the blocks' offsets, times the exact block sums rather than int8 codes
     of their means, and the AveragePool and Concat that fed it go where nothing else reads them. A node
     whose output is only split in halves for a SwiGLU (silu(first) * second: pack_matmuls' gate/up)
-    computes that itself (`gated`), bit for bit what the Split, Sigmoid and two Muls it replaces wrote.
+    computes that itself (`gated`), bit for bit what the Split, Sigmoid and two Muls it replaces wrote;
+    after an fp32 MatMul (an fp32 variant, or a layer the quantizer kept in fp32) those four nodes
+    become one ai.kiln::SwiGLU, the same numbers in one pass.
 
     The caller measures it against eager as it measures `graph`: the kernel rounds each activation as
     MLAS does but sums in another order, and int8 activations carry a last-bit difference into other
@@ -170,7 +172,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     attention kernel gives ONNX Runtime's numbers bit for bit, so an fp32 graph's are model.onnx's."""
     import onnx
 
-    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE
+    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
@@ -186,11 +188,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     outside = {output.name for output in proto.graph.output} | {
         name for node in proto.graph.node for a in node.attribute
         for subgraph in [a.g] * a.HasField("g") + list(a.graphs) for name in _names_read(subgraph)}
-    gated = {node.name: found for node, _ in eligible
-             if (found := _swiglu_after(node, readers, initializers, outside)) is not None}
-    if not eligible and not attentions:
-        return None, ("no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations, and no "
-                      "GroupQueryAttention the kernel takes, in the graph")
+    gated = {node.name: found for node, made in eligible if made.n % 32 == 0  # the kernel's tiles in pairs
+             and (found := _swiglu_after(node.output[0], made.n, readers, initializers, outside)) is not None}
+    swiglus = [found for node in proto.graph.node if (n := _fp32_matmul_columns(node, initializers))
+               and (found := _swiglu_after(node.output[0], n, readers, initializers, outside)) is not None]
+    if not eligible and not attentions and not swiglus:
+        return None, ("no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations, no "
+                      "GroupQueryAttention the kernel takes and no SwiGLU after an fp32 MatMul in the graph")
     for node in attentions:  # same inputs and attributes
         node.domain, node.op_type = DOMAIN, ATTENTION_OP
     folder.mkdir(parents=True)
@@ -198,6 +202,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
         if name.endswith(".data"):
             link_or_copy(graph.folder / name, folder / name)
     replaced = set()
+    for _, (split, sigmoid, silu, product) in swiglus:  # the last Mul becomes the op, where it stands in the order
+        for gone in (split, sigmoid, silu):
+            replaced.update(name for name in gone.input if name in initializers)  # the Split's sizes
+            proto.graph.node.remove(gone)
+        product.domain, product.op_type = DOMAIN, SWIGLU_OP
+        product.input[:] = [split.input[0]]
+        del product.attribute[:]
     with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
@@ -249,7 +260,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
         interface = {**interface, "prefill": "batched"}
     built = saved_graph(folder, interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
-        len(eligible) + len(attentions)
+        len(eligible) + len(attentions) + len(swiglus)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -331,11 +342,21 @@ def _kernel_attention(node: Any, graph: Any) -> bool:
     return 0 < head_size <= 256 and head_size % 16 == 0 and pasts[1].shape.dim[3].dim_value == head_size
 
 
-def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[str, Any],
+def _fp32_matmul_columns(node: Any, initializers: dict[str, Any]) -> int | None:
+    """N for an ONNX MatMul of activations by fp32 weights [K, N] held in an initializer; else None."""
+    import onnx
+
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in initializers:
+        return None
+    weights = initializers[node.input[1]]
+    return weights.dims[1] if weights.data_type == onnx.TensorProto.FLOAT and len(weights.dims) == 2 else None
+
+
+def _swiglu_after(output: str, n: int, readers: dict[str, list[Any]], initializers: dict[str, Any],
                   outside: set[str]) -> tuple[str, list[Any]] | None:
-    """Where `node`'s output is read only by a Split into two equal halves of a multiple of 16 columns,
-    the first read only by Sigmoid and Mul (SiLU) and both only by one Mul of the SiLU and the second:
-    that Mul's output and the four nodes. Else None."""
+    """Where `output` (n columns) is read only by a Split into two equal halves on its last axis, the
+    first read only by Sigmoid and Mul (SiLU) and both only by one Mul of the SiLU and the second: that
+    Mul's output and the four nodes (Split, Sigmoid, SiLU's Mul, the product's Mul). Else None."""
     import onnx
     from onnx import numpy_helper
 
@@ -343,15 +364,14 @@ def _swiglu_after(node: Any, readers: dict[str, list[Any]], initializers: dict[s
         found = readers.get(name, [])
         return found if len(found) == count and name not in outside else None
 
-    split = only(node.output[0])
+    split = only(output)
     if split is None or split[0].op_type != "Split" or len(split[0].output) != 2:
         return None
     split = split[0]
     attributes = {a.name: onnx.helper.get_attribute_value(a) for a in split.attribute}
-    n = {a.name: a.i for a in node.attribute}["N"]
     sizes = (numpy_helper.to_array(initializers[split.input[1]]).tolist()
              if len(split.input) > 1 and split.input[1] in initializers else attributes.get("split"))
-    if attributes.get("axis", 0) not in (-1, 2) or n % 32 or (sizes is not None and list(sizes) != [n // 2] * 2):
+    if attributes.get("axis", 0) not in (-1, 2) or n % 2 or (sizes is not None and list(sizes) != [n // 2] * 2):
         return None
     gate, up = split.output
     gate_readers = only(gate, 2)

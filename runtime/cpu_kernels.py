@@ -1,5 +1,5 @@
 """Kiln's own CPU kernels, run by ONNX Runtime as custom ops (runtime/kernels/: library.c registers
-int8_blocks.c's and attention.c's ops in the domain ai.kiln).
+int8_blocks.c's, attention.c's and swiglu.c's ops in the domain ai.kiln).
 
 A variant whose graph has 8-bit or 4-bit MatMulNBits nodes in blocks of 32 with int8 activations, or
 GroupQueryAttention nodes the attention kernel takes, gets a second graph beside model.onnx,
@@ -13,7 +13,11 @@ KERNEL_MODEL_FILE:
 - each GroupQueryAttention as ai.kiln::GroupQueryAttention (same inputs and attributes): bit for bit
   what ONNX Runtime 1.32's CPU kernel computes (the same roundings in the same order, MLAS's exponential
   included), one work item a (row, kv head) whose query heads share each block of keys, the new keys
-  rotated straight into the cache. fp32 variants get a kernels' graph for their attention alone.
+  rotated straight into the cache;
+- after an fp32 MatMul of a SwiGLU's packed gate and up projections, its Split, Sigmoid and two Muls as
+  one ai.kiln::SwiGLU, bit for bit the same numbers in one pass (an fp32 variant's MLP, or a layer a
+  quantized variant kept in fp32).
+fp32 variants get a kernels' graph for their attention and SwiGLUs.
 The int8 kernels round each activation as MLAS does but sum in another order, and int8 activations carry
 a last-bit difference into other roundings a layer later, so the compiler measures the graph against
 eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the
@@ -46,8 +50,9 @@ DOMAIN = "ai.kiln"
 INT8_BLOCKS_OP = "MatMulInt8Blocks"
 INT4_BLOCKS_OP = "MatMulInt4Blocks"
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
+SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
-LIBRARY_VERSION = 2  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 3  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 
 
 @functools.cache

@@ -1,6 +1,6 @@
 /* Kiln's CPU kernels as one ONNX Runtime custom-op library: the domain ai.kiln with its ops
-   (int8_blocks.c: MatMulInt8Blocks, MatMulInt4Blocks; attention.c: GroupQueryAttention), and the
-   helpers they share. runtime/cpu_kernels.py loads it, checks the CPU first (kiln_cpu_kernels_supported)
+   (int8_blocks.c: MatMulInt8Blocks, MatMulInt4Blocks; attention.c: GroupQueryAttention; swiglu.c:
+   SwiGLU), and the helpers they share. runtime/cpu_kernels.py loads it, checks the CPU first (kiln_cpu_kernels_supported)
    and registers it with each session that runs a kernels' graph. */
 
 #include <pthread.h>
@@ -16,8 +16,9 @@ const OrtApi* kiln_api;
 
 /* What runtime/cpu_kernels.py checks the library against (LIBRARY_VERSION), raised whenever an op's
    numbers or contract change: a library built from older sources (an editable checkout not rebuilt)
-   is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). */
-int kiln_cpu_kernels_version(void) { return 2; }
+   is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). 3: the
+   op SwiGLU (swiglu.c). */
+int kiln_cpu_kernels_version(void) { return 3; }
 
 int kiln_cpu_kernels_supported(void) {
     __builtin_cpu_init();
@@ -122,7 +123,7 @@ static void setup(void) {
         strcpy(setup_error, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
         return;
     }
-    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_attention_op};
+    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_attention_op, &kiln_swiglu_op};
     OrtCustomOpDomain* made = NULL;
     OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
     for (size_t i = 0; !status && i < sizeof ops / sizeof *ops; i++)

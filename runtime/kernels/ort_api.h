@@ -84,8 +84,8 @@ typedef struct OrtCustomOp {
     /* later fields (shape inference, version ranges, in-place maps) are not read at OP_VERSION */
 } OrtCustomOp;
 
-/* The ops, one table each (int8_blocks.c, attention.c). */
-extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_attention_op;
+/* The ops, one table each (int8_blocks.c, attention.c, swiglu.c). */
+extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_attention_op, kiln_swiglu_op;
 
 /* -- shared by the ops (library.c) ----------------------------------------------------------------- */
 

@@ -241,9 +241,11 @@ def test_a_kernels_graph_folds_the_swiglu_after_a_gate_up_projection_bit_for_bit
     assert run(tmp_path / "also_read")[1][1:] == ["Split", "Sigmoid", "Mul", "Mul"]
 
 
-def test_an_fp32_variant_runs_its_attention_in_kilns_kernel_bit_for_bit(tiny_artifacts, tiny_checkpoints, family):
+def test_an_fp32_variant_runs_its_attention_and_swiglu_in_kilns_kernels_bit_for_bit(tiny_artifacts, tiny_checkpoints,
+                                                                                      family):
     """Every family's fused fp32 variant ships a kernels' graph where its GroupQueryAttention nodes are
-    ones the kernel takes (runtime/kernels/attention.c): ai.kiln::GroupQueryAttention in their place and
+    ones the kernel takes (runtime/kernels/attention.c), or its MLP is a SwiGLU: ai.kiln::GroupQueryAttention
+    in their place, one ai.kiln::SwiGLU for each packed gate/up MatMul's Split, Sigmoid and two Muls, and
     nothing else changed, giving model.onnx's logits bit for bit through a prefill and decode steps, in
     Kiln's layout and the left-padded one."""
     from compiler.optimize import CHECK_PADS, CHECK_PROMPT, CHECK_STEPS, _greedy_steps
@@ -256,19 +258,33 @@ def test_an_fp32_variant_runs_its_attention_in_kilns_kernel_bit_for_bit(tiny_art
     # A sliding window (Mistral, Starcoder2, Gemma 2) or a softcap (Gemma 2) stays ONNX Runtime's
     taken = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and not any(
         (a.name == "local_window_size" and a.i != -1) or (a.name == "softcap" and a.f != 0) for a in n.attribute)]
+    readers = {}
+    for node in graph.graph.node:
+        for name in node.input:
+            readers.setdefault(name, []).append(node)
+    swiglus = []  # (Split, Sigmoid, SiLU's Mul, the product's Mul) after a packed gate/up MatMul
+    for matmul in [n for n in graph.graph.node if n.op_type == "MatMul"]:
+        split = readers.get(matmul.output[0], [None])[0]
+        sigmoid = next((r for r in readers.get(split.output[0], []) if r.op_type == "Sigmoid"), None) \
+            if split is not None and split.op_type == "Split" else None
+        if sigmoid is not None:  # (a Split of packed attention projections is not one)
+            silu = readers[sigmoid.output[0]][0]
+            swiglus.append((split, sigmoid, silu, readers[silu.output[0]][0]))
     library = cpu_kernels.library()[0]
-    if library is None or not taken:
+    if library is None or not (taken or swiglus):
         assert "kernel_model" not in entry
         return
     assert entry["kernel_model"] == "variants/cpu-fp32/model_kernels.onnx"
     assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry["files"]  # no packed weights
     every = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
-    assert (entry.get("kernel_prefill") == "batched") == (len(taken) == len(every))  # each row as alone
+    assert (entry.get("kernel_prefill") == "batched") == (len(taken) == len(every) > 0)  # each row as alone
     kernels = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)
     ours = [(n.domain, n.op_type) for n in kernels.graph.node]
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(taken)
+    assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.SWIGLU_OP)) == len(swiglus)
+    replaced = [node for four in swiglus for node in four]
     assert [n for n in ours if n[0] != cpu_kernels.DOMAIN] == [
-        (n.domain, n.op_type) for n in graph.graph.node if n not in taken]
+        (n.domain, n.op_type) for n in graph.graph.node if n not in taken and n not in replaced]
 
     exported = _exported(tiny_artifacts, tiny_checkpoints, family)  # for the model's shapes
     reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry["interface"], exported.shapes, 0, ["model.onnx"])

@@ -1,5 +1,6 @@
-"""Kiln's CPU kernel (runtime/kernels/int8_blocks.c) in a real ONNX Runtime session, against MLAS's
-MatMulNBits on the same weights; skipped where this machine cannot run it."""
+"""Kiln's CPU kernels (runtime/kernels/int8_blocks.c, swiglu.c) in a real ONNX Runtime session, against
+MLAS's MatMulNBits on the same weights and ONNX Runtime's own nodes on the same inputs; skipped where this
+machine cannot run them."""
 
 from __future__ import annotations
 
@@ -123,6 +124,44 @@ def test_a_nan_activation_gives_nan_outputs_not_numbers():
     x[0, 0, 40] = np.nan
     y = kiln.run(None, {"A": x})[0]
     assert np.isnan(y[0, 0]).all() and np.isfinite(y[0, 1]).all()
+
+
+def swiglu_sessions() -> tuple[ort.InferenceSession, ort.InferenceSession]:
+    """ai.kiln::SwiGLU alone, and what it replaces: a Split into halves, Sigmoid, Mul, Mul (ONNX Runtime
+    fuses the Sigmoid and its Mul into QuickGelu), X [b, s, 2n] -> Y [b, s, n]."""
+    x = helper.make_tensor_value_info("X", TensorProto.FLOAT, ["b", "s", "two_n"])
+    y = helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)
+    ours = helper.make_graph([helper.make_node(cpu_kernels.SWIGLU_OP, ["X"], ["Y"], domain=cpu_kernels.DOMAIN)],
+                             "ours", [x], [y])
+    theirs = helper.make_graph([helper.make_node("Split", ["X"], ["g", "u"], axis=-1, num_outputs=2),
+                                helper.make_node("Sigmoid", ["g"], ["s"]), helper.make_node("Mul", ["g", "s"], ["silu"]),
+                                helper.make_node("Mul", ["silu", "u"], ["Y"])], "theirs", [x], [y])
+    sessions = []
+    for graph, domain in ((ours, cpu_kernels.DOMAIN), (theirs, "")):
+        opsets = [helper.make_opsetid("", 18)] + [helper.make_opsetid(domain, 1)] * bool(domain)
+        model = helper.make_model(graph, opset_imports=opsets)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = 2
+        if domain:
+            options.register_custom_ops_library(str(LIBRARY))
+        sessions.append(ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"]))
+    return sessions[0], sessions[1]
+
+
+@needs_kernels
+def test_swiglu_writes_what_the_split_sigmoid_and_muls_write_bit_for_bit():
+    ours, theirs = swiglu_sessions()
+    rng = np.random.default_rng(5)
+    # one row of SmolLM2's width (inline), many rows (the threads), a width past the op's column chunks
+    # with a part-filled vector (2 * 1037), and values past the logistic's clamp at +-18
+    for shape in ((1, 1, 3072), (2, 36, 3072), (3, 5, 2074), (1, 2, 16)):
+        x = (rng.standard_normal(shape) * 6).astype(np.float32)
+        x.reshape(-1)[:4] = [0.0, -0.0, 40.0, -40.0]
+        expected, got = theirs.run(None, {"X": x})[0], ours.run(None, {"X": x})[0]
+        assert got.shape == expected.shape == (*shape[:2], shape[2] // 2)
+        assert np.array_equal(got, expected)
+    with pytest.raises(Exception, match="ai.kiln::SwiGLU: X's last dimension must be even"):
+        ours.run(None, {"X": np.zeros((1, 1, 7), np.float32)})
 
 
 def int4_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
