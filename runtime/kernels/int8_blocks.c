@@ -95,23 +95,36 @@ typedef struct {
     __m512 scale, offset;
 } TileBlock;
 
-/* 4-bit blocks pack group j's codes in the low nibbles and group j + 4's in the high ones. */
-static inline __attribute__((always_inline)) void load_block(TileBlock* block, const uint8_t* tile_block, int bits) {
+/* A tile block's zero points, scales and, at 4 bits, offsets, after its codes. */
+static inline __attribute__((always_inline)) void load_terms(TileBlock* block, const uint8_t* tile_block, int bits) {
     if (bits == 8) {
-        for (int j = 0; j < BLOCK / 4; j++) block->weights[j] = _mm512_loadu_si512(tile_block + j * 64);
         block->zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE + TILE * 4)));
         block->scale = _mm512_loadu_ps((const float*)(tile_block + BLOCK * TILE));
         return;
     }
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < BLOCK / 8; j++) {
-        __m512i both = _mm512_loadu_si512(tile_block + j * 64);
-        block->weights[j] = _mm512_and_si512(both, nibble);
-        block->weights[j + BLOCK / 8] = _mm512_and_si512(_mm512_srli_epi16(both, 4), nibble);
-    }
     block->scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile_block + BLOCK * TILE / 2)));
     block->offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(tile_block + BLOCK * TILE / 2 + TILE * 2)));
     block->zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(tile_block + BLOCK * TILE / 2 + TILE * 4)));
+}
+
+/* Half `half` of a tile block's codes in registers: groups 4 * half .. 4 * half + 3 of 4 rows. 4-bit
+   blocks pack group j's codes in the low nibbles and group j + 4's in the high ones. */
+static inline __attribute__((always_inline)) void load_half(__m512i* weights, const uint8_t* tile_block, int half, int bits) {
+    if (bits == 8) {
+        for (int j = 0; j < 4; j++) weights[j] = _mm512_loadu_si512(tile_block + (4 * half + j) * 64);
+        return;
+    }
+    const __m512i nibble = _mm512_set1_epi8(0x0F);
+    for (int j = 0; j < 4; j++) {
+        __m512i both = _mm512_loadu_si512(tile_block + j * 64);
+        weights[j] = _mm512_and_si512(half ? _mm512_srli_epi16(both, 4) : both, nibble);
+    }
+}
+
+static inline __attribute__((always_inline)) void load_block(TileBlock* block, const uint8_t* tile_block, int bits) {
+    load_half(block->weights, tile_block, 0, bits);
+    load_half(block->weights + BLOCK / 8, tile_block, 1, bits);
+    load_terms(block, tile_block, bits);
 }
 
 /* A block's products (the sum of its codes' products, in int32) into a tile's accumulator: the zero
@@ -125,9 +138,7 @@ static inline __attribute__((always_inline)) __m512 block_sum(__m512 acc, __m512
 }
 
 /* One block of one row into one tile's accumulator, the block's weights loaded: 8 VNNI products in
-   two chains, the zero points' term in int32, then one fp32 multiply-add by the product of the two
-   scales; at 4 bits then the offsets times the block's fp32 sum of activations. Every path below
-   computes a row through this, in block order. */
+   two chains, then block_sum (through which every path below adds a row's blocks, in block order). */
 static inline __attribute__((always_inline)) __m512 row_block(__m512 acc, const TileBlock* block, const int8_t* codes,
                                                               float scale, int32_t code_sum, float x_sum, int bits) {
     __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
@@ -189,20 +200,6 @@ static inline __attribute__((always_inline)) void rows_of_tile(const Job* job, i
         store_tile(job->y + (m + r) * w->n_out, w->n_out, t / 2, _mm512_mul_ps(silu(acc[r]), up[r]));
 }
 
-/* Half `half` of a tile's block weights in registers: groups 4 * half .. 4 * half + 3 of 4 rows (4-bit
-   blocks: the low nibbles of their 4 vectors, or the high ones). */
-static inline __attribute__((always_inline)) void load_half(__m512i* weights, const uint8_t* tile_block, int half, int bits) {
-    if (bits == 8) {
-        for (int j = 0; j < 4; j++) weights[j] = _mm512_loadu_si512(tile_block + (4 * half + j) * 64);
-        return;
-    }
-    const __m512i nibble = _mm512_set1_epi8(0x0F);
-    for (int j = 0; j < 4; j++) {
-        __m512i both = _mm512_loadu_si512(tile_block + j * 64);
-        weights[j] = _mm512_and_si512(half ? _mm512_srli_epi16(both, 4) : both, nibble);
-    }
-}
-
 /* Rows [m, m + rows) (rows <= 4) of the tiles t and t + 1 into acc0 and acc1: each broadcast of four
    activation codes feeds a product for both tiles. On AMD Zen 4 a broadcast costs an issue slot as a
    VNNI product does (one core: a loop of a broadcast and a product ran 1.6 G products a second, products
@@ -234,20 +231,8 @@ static inline __attribute__((always_inline)) void pair_sums(const Job* job, int6
                 }
         }
         TileBlock tb0, tb1;  /* the blocks' zero points, scales and offsets */
-        const size_t codes_bytes = bits == 8 ? BLOCK * TILE : BLOCK * TILE / 2;
-        if (bits == 8) {
-            tb0.zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block0 + codes_bytes + TILE * 4)));
-            tb1.zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block1 + codes_bytes + TILE * 4)));
-            tb0.scale = _mm512_loadu_ps((const float*)(block0 + codes_bytes));
-            tb1.scale = _mm512_loadu_ps((const float*)(block1 + codes_bytes));
-        } else {
-            tb0.scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block0 + codes_bytes)));
-            tb1.scale = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block1 + codes_bytes)));
-            tb0.offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block0 + codes_bytes + TILE * 2)));
-            tb1.offset = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)(block1 + codes_bytes + TILE * 2)));
-            tb0.zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block0 + codes_bytes + TILE * 4)));
-            tb1.zero = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i*)(block1 + codes_bytes + TILE * 4)));
-        }
+        load_terms(&tb0, block0, bits);
+        load_terms(&tb1, block1, bits);
         for (int r = 0; r < rows; r++) {
             int64_t row = m + r;
             float scale = job->scale[row * w->blocks + b], x_sum = job->x_sum[row * w->blocks + b];
