@@ -33,6 +33,8 @@ Besides run, the protocol every backend follows (ONNX Runtime here, TensorRT in 
                                                    (forks) or empty (-1); slots added or dropped in front;
                                                    `cache` is used up (its memory goes as it is copied)
     write_rows(cache, rows, source, source_rows)   rows of another cache copied in, right-aligned
+    view_rows(cache, first, count)                 rows side by side as a cache in the same memory, for a
+                                                   first prompt to run into (where limits.rows_in_place)
     limits                                         what the backend takes beyond the manifest's bounds
 Every cache knows `length`, the slots in use: the attention mask's width at its last step.
 
@@ -78,6 +80,9 @@ class Limits:
     # "one-row" (ONNX Runtime's GroupQueryAttention takes it for a batch of one only), or "none" (an
     # engine's profiles are prefill or decode).
     chunked_prefill: str = "any"
+    # Whether a first prompt can run straight into free rows of a running batch's cache (view_rows): rows
+    # stored from slot 0 of shared buffers, so where a row sits and how wide the batch is change nothing.
+    rows_in_place: bool = False
 
 
 def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
@@ -174,7 +179,7 @@ class OnnxRuntimeBackend:
         if self.front_aligned and self.lone_row_differs():
             self.min_rows = 2
         self.rows_alike_in_prompts = interface.get("prefill") == "batched"  # every attention Kiln's
-        self.limits = Limits(chunked_prefill="one-row" if self.shared else "any")
+        self.limits = Limits(chunked_prefill="one-row" if self.shared else "any", rows_in_place=self.front_aligned)
 
     @property
     def batched_prefill(self) -> bool:
@@ -209,6 +214,15 @@ class OnnxRuntimeBackend:
             return cache
         kept = rows_of(_released(cache), rows, self.lead, cache.length, front, capacity if self.shared else None)
         return KvCache(kept, cache.length + front, self.shared)
+
+    def view_rows(self, cache: KvCache, first: int, count: int) -> KvCache | None:
+        """Rows first to first + count - 1 of a front-aligned cache as an empty cache of their own, in the
+        same memory: a first prompt run on it is written into those rows (limits.rows_in_place). None
+        for fewer rows than a step takes (`min_rows`): they need a spare row beside them."""
+        if not self.front_aligned or count < self.min_rows:
+            return None
+        cache = self._cache(cache)
+        return KvCache([array[first:first + count] for array in cache], 0, True, count)
 
     def write_rows(self, cache: KvCache, rows: Sequence[int], source: KvCache, source_rows: Sequence[int]) -> KvCache:
         """Copy `source_rows` of `source` into `rows` of `cache`, in place, newest slots aligned."""

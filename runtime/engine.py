@@ -3,7 +3,8 @@
     add_request ──> waiting ──admit (free rows, prefill token budget)──> prefill batch
                                                                             │ first tokens
     step(): one forward pass, either                                        v
-      prefill  the admitted prompts (a long one in pieces)       join: copied into free rows
+      prefill  the admitted prompts (a long one in pieces)       join: free rows (copied in, or
+                                                                 prefilled there in place)
       decode   one token for every running row                   running batch, a row per sequence
     a finished or aborted sequence frees its row at once; events say what each step produced
 
@@ -20,7 +21,12 @@ Two designs fit that, and this engine takes from both:
   slot and only its own tokens are written.
 Here a finished row becomes a free row (its mask all zero; nothing is copied), and a joining
 sequence's prefilled slots are copied into a free row, right-aligned: only its own slots move, as
-in a llama.cpp slot. The whole cache is copied, TGI's way, only when the batch needs more rows than
+in a llama.cpp slot. Where the backend stores rows from slot 0 of shared buffers (limits.rows_in_place)
+and the prompts run in one step, one row each, they are prefilled straight into free rows side by
+side and nothing moves at all; the first group of a burst starts a batch with rows for the requests
+waiting behind it. Measured on SmolLM2 int8, a burst of 32 prompts prefilled in three groups: the
+time outside the graph 100 -> 33 ms, the whole generate call 5% faster, the first tokens 8% sooner.
+The whole cache is copied, TGI's way, only when the batch needs more rows than
 it has (growing by the rows the waiting requests will take too: a burst that prefills over several
 steps grows the batch once, not at each step), when a prompt wider than the batch needs columns in
 front that shared buffers have no room for, when free rows would cost more decode work than one
@@ -161,8 +167,9 @@ class _Prefill:
 
     requests: list[Request]
     ids: np.ndarray
-    batch: _Batch
+    batch: _Batch  # its cache None until its first step where the prompts may go into the running batch
     fed: int = 0  # columns of ids already run
+    first_row: int | None = None  # prefilled into the running batch's rows from this one on, in place
 
 
 def left_padded(prompts: list[list[int]], pad_id: int) -> tuple[np.ndarray, np.ndarray]:
@@ -190,6 +197,7 @@ class Engine:
         self.max_prompt = min(limits.max_prompt or self.max_context - 1, self.max_context - 1)
         self.max_width = limits.max_context  # an engine's profiles bound the mask's width too
         self.chunked_prefill = limits.chunked_prefill
+        self.rows_in_place = limits.rows_in_place
         self.max_prefill_tokens = max_prefill_tokens
         self.eos_ids = set(eos_ids)
         self.pad_id = min(self.eos_ids, default=0) if pad_id is None else pad_id  # any valid id: pads are masked
@@ -359,7 +367,13 @@ class Engine:
         for request in group:
             request.admitted = now
         ids, _ = left_padded([r.prompt for r in group], self.pad_id)
-        cache = self.backend.new_cache(len(group), self._capacity(width))
+        cache = None  # chosen at its first step (_prefill_cache)
+        if not self._fills_in_place(group, width):
+            cache = self.backend.new_cache(len(group), self._capacity(width))
+        elif self.running is None:  # a batch with rows for the requests waiting behind these too
+            total = rows + self._waiting_rows(rows, sum(self._reach(r) for r in group), skip=len(group))
+            self.running = _Batch(self.backend.new_cache(total, self._capacity(width)), [None] * total,
+                                  np.zeros(total, np.int64))
         for _ in group:  # only now: had the cache failed, they would still be waiting (and be failed there)
             self.waiting.popleft()
         self.prefill = _Prefill(group, ids, _Batch(cache, [None] * len(group), np.zeros(len(group), np.int64)))
@@ -374,11 +388,40 @@ class Engine:
         batch = self.running
         return 0 if batch is None else sum(self._reach(row.request) for row in batch.rows if row is not None)
 
+    def _fills_in_place(self, group: list[Request], width: int) -> bool:
+        """Whether the group's prompts may run straight into free rows of the running batch: a backend
+        whose rows run apart, a row a request (no forks to copy at the join), and one step (a prompt fed
+        in pieces meets decode steps, which may move the batch to new memory)."""
+        return self.rows_in_place and all(r.params.rows == 1 for r in group) and \
+            self._chunk(len(group), width, 0) == width
+
+    def _chunk(self, rows: int, width: int, fed: int) -> int:
+        """The prompt columns the next prefill step runs."""
+        chunkable = self.chunked_prefill == "any" or (self.chunked_prefill == "one-row" and rows == 1)
+        return min(width - fed, self.max_prefill_tokens) if chunkable else width - fed
+
+    def _prefill_cache(self, prefill: _Prefill, rows: int, width: int) -> Any:
+        """Free rows side by side in the running batch, where it has them and room past the prompts'
+        width: the prompts are written there and the join copies nothing (a burst of 32 of SmolLM2's
+        prompts, prefilled in three groups, copied 150 MB of cache). Else a cache of their own."""
+        batch, run = self.running, 0
+        if batch is not None and (batch.cache.capacity or 0) > max(width, batch.width):
+            for i, row in enumerate(batch.rows):
+                run = run + 1 if row is None else 0
+                if run == rows:
+                    view = self.backend.view_rows(batch.cache, i + 1 - rows, rows)
+                    if view is not None:
+                        prefill.first_row = i + 1 - rows
+                        return view
+                    break
+        return self.backend.new_cache(rows, self._capacity(width))
+
     def _prefill_step(self) -> list[Event]:
         prefill = self.prefill
         rows, width = prefill.ids.shape
-        chunkable = self.chunked_prefill == "any" or (self.chunked_prefill == "one-row" and rows == 1)
-        size = min(width - prefill.fed, self.max_prefill_tokens) if chunkable else width
+        if prefill.batch.cache is None:
+            prefill.batch.cache = self._prefill_cache(prefill, rows, width)
+        size = self._chunk(rows, width, prefill.fed)
         start, end = prefill.fed, prefill.fed + size
         prompt_lengths = np.array([len(r.prompt) for r in prefill.requests], np.int64)
         lengths = np.clip(end - (width - prompt_lengths), 0, prompt_lengths)
@@ -411,7 +454,7 @@ class Engine:
                     joining.append(sequence)
                     sources.append(row)
         if joining:
-            self._join(prefill.batch, joining, sources)
+            self._join(prefill.batch, joining, sources, prefill.first_row)
         return events
 
     def _decode_step(self) -> list[Event]:
@@ -607,12 +650,22 @@ class Engine:
         (no row needs more; columns of padding are dropped first), so the memory plan's bound holds."""
         return max(width, min(width + max(MIN_GROWTH, width // 2), self.max_context))
 
-    def _join(self, prefilled: _Batch, sequences: list[_Sequence], sources: list[int]) -> None:
+    def _join(self, prefilled: _Batch, sequences: list[_Sequence], sources: list[int],
+              first_row: int | None = None) -> None:
         """Copy the prefilled rows `sources` into free rows of the running batch, one per sequence (a
-        forked prompt's row is copied once per sequence)."""
+        forked prompt's row is copied once per sequence), or where they were prefilled in place, from
+        `first_row` on, take them as they are."""
         lengths = prefilled.lengths[sources]
         self._steps_since_join = 0
         running = self.running
+        if first_row is not None:
+            front = max(0, prefilled.width - running.width)
+            if front:  # wider prompts: the width callers see grows, in buffers with room for it (no copy)
+                running.cache = self.backend.keep_rows(running.cache, range(len(running.rows)), front,
+                                                       running.cache.capacity)
+            for source, sequence, length in zip(sources, sequences, lengths, strict=True):
+                running.rows[first_row + source], running.lengths[first_row + source] = sequence, length
+            return
         if self._live_rows() == 0:
             cache = self.backend.keep_rows(prefilled.cache, sources, 0, self._capacity(prefilled.width))
             self.running = _Batch(cache, list(sequences), lengths.copy())
@@ -620,7 +673,8 @@ class Engine:
         free = running.free_rows()
         missing = max(0, len(sequences) - len(free))
         if missing:  # rows for the requests waiting behind these too: one copy of the cache, not one per join
-            wanted = self._live_rows() + len(sequences) + self._waiting_rows(sequences)
+            wanted = self._live_rows() + len(sequences) + \
+                self._waiting_rows(len(sequences), sum(self._reach(s.request) for s in sequences))
             missing = max(missing, min(wanted, self.max_batch_size) - len(running.rows))
         front = max(0, prefilled.width - running.width)
         if missing or front:  # the one case a join copies the running cache: more rows, or wider
@@ -638,12 +692,13 @@ class Engine:
         for target, sequence, length in zip(targets, sequences, lengths, strict=True):
             running.rows[target], running.lengths[target] = sequence, length
 
-    def _waiting_rows(self, joining: list[_Sequence]) -> int:
-        """The rows the waiting requests take when admitted, first come first served, as far as the batch's
-        rows and the KV slots in flight allow with `joining` running too."""
-        room = self.max_batch_size - self._live_rows() - len(joining)
-        rows, reserved = 0, self._reserved() + sum(self._reach(s.request) for s in joining)
-        for request in self.waiting:
+    def _waiting_rows(self, joining: int, reach: int, skip: int = 0) -> int:
+        """The rows the waiting requests after the first `skip` take when admitted, first come first
+        served, as far as the batch's rows and the KV slots in flight allow with `joining` rows more
+        running, which may grow to `reach` slots."""
+        room = self.max_batch_size - self._live_rows() - joining
+        rows, reserved = 0, self._reserved() + reach
+        for request in itertools.islice(self.waiting, skip, None):
             reserved += request.params.rows * self._reach(request)
             if rows + request.params.rows > room or (
                     self.max_tokens_in_flight is not None and reserved > self.max_tokens_in_flight):

@@ -78,15 +78,17 @@ def test_free_rows_are_reused_padding_dropped_and_idle_rows_compacted(tiny_artif
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifacts, variant, monkeypatch):
     """Requests that arrive together but prefill a few at a time (the prefill budget) join a batch grown
-    once, with rows for those still waiting: one copy of the cache, not one per join. Later, wider
-    prompts need columns in front: in shared buffers with room for them, no copy either."""
+    once, with rows for those still waiting: one copy of the cache, not one per join. Where rows run
+    apart (front-aligned shared buffers) the first group's batch has those rows from the start and each
+    group is prefilled straight into its free rows: no copy at all. Later, wider prompts need columns in
+    front: in shared buffers with room for them, no copy either."""
     generator = Generator.load(tiny_artifacts["llama"], variant, max_batch_size=8)
     prompts = [[5 + i] * (12 + i) for i in range(8)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     alone = [generator.generate([p], params)[0].token_ids for p in prompts]
     backend, engine = generator.backend, generator.engine
     engine.max_prefill_tokens = 40  # two prompts a prefill step
-    grown, copies, keep_rows = [], [], backend.keep_rows
+    grown, copies, written, keep_rows, write_rows = [], [], [], backend.keep_rows, backend.write_rows
 
     def counted(cache, rows, *rest):
         if len(rows) > cache.batch:
@@ -95,11 +97,51 @@ def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifa
         copies.extend([1] * (kept is not cache))
         return kept
 
+    def counted_writes(cache, rows, *rest):
+        written.append(len(rows))
+        return write_rows(cache, rows, *rest)
+
     monkeypatch.setattr(backend, "keep_rows", counted)
+    monkeypatch.setattr(backend, "write_rows", counted_writes)
     assert [r.token_ids for r in generator.generate(prompts, params)] == alone
-    assert grown == [8]
     if backend.front_aligned:
-        assert len(copies) == 1
+        assert backend.limits.rows_in_place
+        assert grown == [] and copies == [] and written == []
+    else:
+        assert grown == [8] and len(written) == 3  # the first group is the batch as it is
+
+
+def test_a_joiner_is_prefilled_into_a_free_row_in_place(tiny_artifacts, monkeypatch):
+    """Where rows run apart, a prompt goes straight into a free row of the running batch, here one a
+    request left at its first token, and wider than the batch: no row is copied, the batch keeps its
+    memory, and every request gets the tokens it gets alone."""
+    generator = Generator.load(tiny_artifacts["llama"], "cpu-fp32")
+    params, once = SamplingParams(max_new_tokens=10, ignore_eos=True), SamplingParams(max_new_tokens=1)
+    first, joiner = [9, 8, 7, 6, 5], list(range(20, 32))
+    alone = [generator.generate([p], params)[0].token_ids for p in (first, joiner)]
+    backend, engine = generator.backend, generator.engine
+    copied, keep_rows = [], backend.keep_rows
+
+    def counted(cache, rows, *rest):
+        kept = keep_rows(cache, rows, *rest)
+        copied.extend(["keep_rows"] * (kept is not cache))
+        return kept
+
+    monkeypatch.setattr(backend, "keep_rows", counted)
+    monkeypatch.setattr(backend, "write_rows", lambda *args: copied.append("write_rows"))
+    engine.add_request(first, params, request_id="first")
+    engine.add_request([3, 4], once, request_id="once")
+    results = {e.request_id: e.result for e in engine.step() if e.result}
+    assert list(results) == ["once"] and [row is None for row in engine.running.rows] == [False, True]
+    memory = engine.running.cache[0]
+    engine.add_request(joiner, params, request_id="joiner")
+    engine.step()
+    assert engine.running.rows[1].request.id == "joiner" and engine.running.width >= len(joiner)
+    assert engine.running.cache[0] is memory
+    while engine.has_work():
+        results.update({e.request_id: e.result for e in engine.step() if e.result})
+    assert [results["first"].token_ids, results["joiner"].token_ids] == alone
+    assert copied == []
 
 
 def test_n_sequences_fork_from_one_prefill(tiny_artifacts):
