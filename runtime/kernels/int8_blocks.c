@@ -365,6 +365,7 @@ static int matmul(const Weights* w, const float* x, float* y, int64_t rows, Para
 
 typedef struct {
     Weights weights;
+    void* chunk;  /* where the weights were copied (kiln_weights_copy), or NULL */
 } Kernel;
 
 static const char* name_for_bits(int bits) { return bits == 4 ? "MatMulInt4Blocks" : "MatMulInt8Blocks"; }
@@ -406,8 +407,16 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
             ? "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int8_blocks)"
             : "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int4_blocks)");
     }
+    const void* copy = kiln_weights_copy(kernel->weights.packed, size, &kernel->chunk);
+    if (copy) kernel->weights.packed = copy;
     *out = kernel;
     return NULL;
+}
+
+static void destroy_kernel(void* data) {
+    Kernel* kernel = data;
+    kiln_weights_release(kernel->chunk);
+    free(kernel);
 }
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
@@ -450,6 +459,7 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (vo
     .GetInputCharacteristic = input_characteristic,  \
     .CreateKernelV2 = create_kernel,                 \
     .KernelComputeV2 = compute,                      \
+    .KernelDestroy = destroy_kernel,                 \
 }
 OrtCustomOp kiln_int8_blocks_op = BLOCKS_OP;
 OrtCustomOp kiln_int4_blocks_op = BLOCKS_OP;

@@ -105,6 +105,12 @@ float kiln_attribute_float(const OrtKernelInfo* info, const char* name, float ab
 /* fn(data, i) for i in [0, total) on the session's intra-op threads, or here where it has none. */
 void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void* data);
 
+/* A copy of an op's constant weights in memory of the library's own, on 2 MB pages (library.c); NULL
+   where none could be had (the op then reads ONNX Runtime's). `chunk` is what kiln_weights_release
+   takes back when the kernel goes. */
+const void* kiln_weights_copy(const void* weights, size_t bytes, void** chunk);
+void kiln_weights_release(void* chunk);
+
 /* What every Kiln op answers alike: it runs on the CPU provider, its inputs are in CPU memory, its
    outputs are fp32 and always written, and its kernel is one block from malloc (any weights it points
    to belong to the session). An op's table starts with KILN_OP_COMMON and adds the rest. */

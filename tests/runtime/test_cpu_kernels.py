@@ -112,6 +112,34 @@ def test_a_library_built_from_other_sources_is_not_run(monkeypatch):
     assert cpu_kernels.library() == (LIBRARY, WHY_NOT)
 
 
+def _resident_mib() -> float:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS:")) / 1024
+
+
+@needs_kernels
+def test_a_sessions_weights_go_with_it(monkeypatch):
+    """The 8-bit op copies its weights into memory of the library's own, on 2 MB pages
+    (KILN_KERNEL_WEIGHTS=mapped leaves them where ONNX Runtime put them): the same numbers, bit for bit,
+    and dropping the session gives that memory back, so sessions made and dropped one after another
+    do not add up."""
+    rng = np.random.default_rng(3)
+    k, n = 2048, 8192  # 19 MB of packed weights, about a third of a chunk of 64 MB
+    codes = rng.integers(0, 256, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random(n * (k // 32)) * 0.01 + 0.001).astype(np.float32)
+    x = rng.standard_normal((1, 4, k)).astype(np.float32)
+    monkeypatch.setenv("KILN_KERNEL_WEIGHTS", "mapped")
+    mapped = session("kiln", codes, scales, None).run(None, {"A": x})[0]
+    monkeypatch.delenv("KILN_KERNEL_WEIGHTS")
+    resident = []
+    for _ in range(5):
+        kiln = session("kiln", codes, scales, None)
+        assert np.array_equal(kiln.run(None, {"A": x})[0], mapped)
+        del kiln
+        resident.append(_resident_mib())
+    assert resident[-1] - resident[0] < 15, resident  # a leak would hold 19 MB more each time
+
+
 @needs_kernels
 def test_a_nan_activation_gives_nan_outputs_not_numbers():
     """A NaN in a block must reach the output as it would in fp32, where int8 rounding would hide it
