@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
 
 #include "ort_api.h"
 
@@ -152,7 +153,7 @@ const void* kiln_weights_copy(const void* weights, size_t bytes, void** owner) {
     *owner = chunk;
     if (!copy) return NULL;
     memcpy(copy, weights, bytes);
-    long page = 4096;
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t first = ((uintptr_t)weights + page - 1) & ~(uintptr_t)(page - 1);
     uintptr_t last = ((uintptr_t)weights + bytes) & ~(uintptr_t)(page - 1);
     if (last > first) madvise((void*)first, last - first, MADV_PAGEOUT);  /* best effort: never loses data */

@@ -112,8 +112,9 @@ const void* kiln_weights_copy(const void* weights, size_t bytes, void** chunk);
 void kiln_weights_release(void* chunk);
 
 /* What every Kiln op answers alike: it runs on the CPU provider, its inputs are in CPU memory, its
-   outputs are fp32 and always written, and its kernel is one block from malloc (any weights it points
-   to belong to the session). An op's table starts with KILN_OP_COMMON and adds the rest. */
+   outputs are fp32 and always written, and its kernel is one block from malloc. An op's table starts
+   with KILN_OP_COMMON and adds the rest; an op whose kernel holds more (int8_blocks.c: the chunk its
+   weights were copied into) sets its own KernelDestroy after it. */
 const char* kiln_cpu_provider(const OrtCustomOp* op);
 int kiln_cpu_memory(const OrtCustomOp* op, size_t i);
 int kiln_float_output(const OrtCustomOp* op, size_t i);
