@@ -75,6 +75,28 @@ def test_free_rows_are_reused_padding_dropped_and_idle_rows_compacted(tiny_artif
     assert engine.running is None  # idle: the cache is let go
 
 
+def _counted_copies(backend, monkeypatch) -> dict[str, list[int]]:
+    """What the backend copies of caches from now on: "grown", the rows of each keep_rows that added
+    rows; "copies", a 1 for each keep_rows that made new memory; "written", the rows of each write_rows."""
+    seen: dict[str, list[int]] = {"grown": [], "copies": [], "written": []}
+    keep_rows, write_rows = backend.keep_rows, backend.write_rows
+
+    def counted_keeps(cache, rows, *rest):
+        if len(rows) > cache.batch:
+            seen["grown"].append(len(rows))
+        kept = keep_rows(cache, rows, *rest)
+        seen["copies"].extend([1] * (kept is not cache))
+        return kept
+
+    def counted_writes(cache, rows, *rest):
+        seen["written"].append(len(rows))
+        return write_rows(cache, rows, *rest)
+
+    monkeypatch.setattr(backend, "keep_rows", counted_keeps)
+    monkeypatch.setattr(backend, "write_rows", counted_writes)
+    return seen
+
+
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifacts, variant, monkeypatch):
     """Requests that arrive together but prefill a few at a time (the prefill budget) join a batch grown
@@ -88,27 +110,13 @@ def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifa
     alone = [generator.generate([p], params)[0].token_ids for p in prompts]
     backend, engine = generator.backend, generator.engine
     engine.max_prefill_tokens = 40  # two prompts a prefill step
-    grown, copies, written, keep_rows, write_rows = [], [], [], backend.keep_rows, backend.write_rows
-
-    def counted(cache, rows, *rest):
-        if len(rows) > cache.batch:
-            grown.append(len(rows))
-        kept = keep_rows(cache, rows, *rest)
-        copies.extend([1] * (kept is not cache))
-        return kept
-
-    def counted_writes(cache, rows, *rest):
-        written.append(len(rows))
-        return write_rows(cache, rows, *rest)
-
-    monkeypatch.setattr(backend, "keep_rows", counted)
-    monkeypatch.setattr(backend, "write_rows", counted_writes)
+    seen = _counted_copies(backend, monkeypatch)
     assert [r.token_ids for r in generator.generate(prompts, params)] == alone
     if backend.front_aligned:
         assert backend.limits.rows_in_place
-        assert grown == [] and copies == [] and written == []
+        assert seen == {"grown": [], "copies": [], "written": []}
     else:
-        assert grown == [8] and len(written) == 3  # the first group is the batch as it is
+        assert seen["grown"] == [8] and len(seen["written"]) == 3  # the first group is the batch as it is
 
 
 def test_a_joiner_is_prefilled_into_a_free_row_in_place(tiny_artifacts, monkeypatch):
@@ -120,15 +128,7 @@ def test_a_joiner_is_prefilled_into_a_free_row_in_place(tiny_artifacts, monkeypa
     first, joiner = [9, 8, 7, 6, 5], list(range(20, 32))
     alone = [generator.generate([p], params)[0].token_ids for p in (first, joiner)]
     backend, engine = generator.backend, generator.engine
-    copied, keep_rows = [], backend.keep_rows
-
-    def counted(cache, rows, *rest):
-        kept = keep_rows(cache, rows, *rest)
-        copied.extend(["keep_rows"] * (kept is not cache))
-        return kept
-
-    monkeypatch.setattr(backend, "keep_rows", counted)
-    monkeypatch.setattr(backend, "write_rows", lambda *args: copied.append("write_rows"))
+    seen = _counted_copies(backend, monkeypatch)
     engine.add_request(first, params, request_id="first")
     engine.add_request([3, 4], once, request_id="once")
     results = {e.request_id: e.result for e in engine.step() if e.result}
@@ -141,7 +141,7 @@ def test_a_joiner_is_prefilled_into_a_free_row_in_place(tiny_artifacts, monkeypa
     while engine.has_work():
         results.update({e.request_id: e.result for e in engine.step() if e.result})
     assert [results["first"].token_ids, results["joiner"].token_ids] == alone
-    assert copied == []
+    assert seen["copies"] == [] and seen["written"] == []
 
 
 def test_n_sequences_fork_from_one_prefill(tiny_artifacts):
