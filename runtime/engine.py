@@ -36,7 +36,10 @@ width, or shared buffers out of room: in place, without new memory).
 Prefill goes first, so a new request waits at most one step for its first token, but no more than
 `max_prefill_tokens` prompt tokens run between two decode steps: a burst of long prompts cannot
 stall the running requests for long. A prompt longer than that budget is fed in pieces of it where
-the backend allows (Limits.chunked_prefill).
+the backend allows (Limits.chunked_prefill). A bulk call (generate, kiln batch: `prefill_first`)
+prefills every waiting prompt that fits before it decodes: a decode step between a burst's prefill
+groups serves no one's latency, and its rows then need a step the others have already run (SmolLM2
+int8 at batch 32: 35 forward passes instead of 34, one more 25 ms step).
 
 Invariant (tested): whatever shares the batch, a greedy request gets the tokens it gets alone, and
 a seeded one draws the same tokens (each sequence has its own random generator).
@@ -189,7 +192,8 @@ def right_aligned_mask(width: int, lengths: np.ndarray) -> np.ndarray:
 
 class Engine:
     def __init__(self, backend: Any, tokenizer: Tokenizer, eos_ids: set[int], max_context: int,
-                 max_batch_size: int = 32, max_prefill_tokens: int = 512, pad_id: int | None = None) -> None:
+                 max_batch_size: int = 32, max_prefill_tokens: int = 512, pad_id: int | None = None,
+                 prefill_first: bool = False) -> None:
         self.backend, self.tokenizer = backend, tokenizer
         limits = getattr(backend, "limits", Limits())
         self.max_batch_size = min(max_batch_size, limits.max_batch_size or max_batch_size)
@@ -199,6 +203,11 @@ class Engine:
         self.chunked_prefill = limits.chunked_prefill
         self.rows_in_place = limits.rows_in_place
         self.max_prefill_tokens = max_prefill_tokens
+        # True for a bulk call (generate, kiln batch): every waiting prompt that fits is prefilled before
+        # the next decode step, since no one watches a running request's tokens arrive and a decode step
+        # of part of the batch is a step the rest must run again later. False for a server: at most
+        # max_prefill_tokens prompt tokens run between two decode steps.
+        self.prefill_first = prefill_first
         self.eos_ids = set(eos_ids)
         self.pad_id = min(self.eos_ids, default=0) if pad_id is None else pad_id  # any valid id: pads are masked
         self._lock = threading.Lock()  # add_request and abort may come from other threads than step
@@ -343,7 +352,7 @@ class Engine:
     def _prefill_due(self) -> bool:
         if self.prefill is None and not self._admit():
             return False
-        return self._live_rows() == 0 or self._prefilled_since_decode < self.max_prefill_tokens
+        return self._live_rows() == 0 or self.prefill_first or self._prefilled_since_decode < self.max_prefill_tokens
 
     def _admit(self) -> bool:
         """Move waiting requests into a new prefill batch: as many rows as are free, first come first

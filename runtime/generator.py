@@ -30,7 +30,7 @@ class Generator:
                  max_prefill_tokens: int = 512) -> None:
         self.artifact, self.backend, self.tokenizer = artifact, backend, tokenizer
         self.engine = Engine(backend, tokenizer, eos_ids(artifact), artifact.manifest["model"]["max_context"],
-                             max_batch_size, max_prefill_tokens)
+                             max_batch_size, max_prefill_tokens, prefill_first=True)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[str] | None = None,

@@ -42,7 +42,8 @@ def test_staggered_arrivals_get_the_tokens_they_get_alone(tiny_artifacts, family
     alone = [generator.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
     engine = generator.engine
     # A small prefill budget feeds long prompts in pieces; a small batch makes requests wait for rows.
-    engine.max_prefill_tokens, engine.max_batch_size = budget, batch
+    # A server's policy: decode steps between the pieces and between prefill groups.
+    engine.max_prefill_tokens, engine.max_batch_size, engine.prefill_first = budget, batch, False
     arrivals = sorted(np.random.default_rng(budget).integers(0, 30, len(prompts)))
     results, _ = _run_staggered(engine, prompts, params, arrivals)
     assert [results[i].token_ids for i in range(len(prompts))] == alone
@@ -117,6 +118,23 @@ def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifa
         assert seen == {"grown": [], "copies": [], "written": []}
     else:
         assert seen["grown"] == [8] and len(seen["written"]) == 3  # the first group is the batch as it is
+
+
+def test_a_bulk_call_prefills_every_prompt_before_it_decodes(tiny_artifacts, monkeypatch):
+    """generate() prefills a burst's groups back to back (prefill_first); a server's engine runs a
+    decode step once a group has spent the prefill budget. The tokens are the same either way."""
+    generator = Generator.load(tiny_artifacts["llama"], "cpu-fp32", max_batch_size=8)
+    prompts = [[5 + i] * (12 + i) for i in range(8)]
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    generator.engine.max_prefill_tokens = 40  # two prompts a prefill step
+    widths, run = [], generator.backend.run
+    monkeypatch.setattr(generator.backend, "run", lambda ids, *rest: widths.append(ids.shape[1]) or run(ids, *rest))
+    bulk = [r.token_ids for r in generator.generate(prompts, params)]
+    assert len(widths) == 4 + 3 and min(widths[:4]) > 1 and widths[4:] == [1, 1, 1]
+    widths.clear()
+    generator.engine.prefill_first = False
+    assert [r.token_ids for r in generator.generate(prompts, params)] == bulk
+    assert widths[:3] == [widths[0], widths[1], 1] and len(widths) > 7  # a decode step after the budget
 
 
 def test_a_joiner_is_prefilled_into_a_free_row_in_place(tiny_artifacts, monkeypatch):
