@@ -53,6 +53,7 @@
 #define LANES 16
 #define MAX_HEAD_SIZE 256
 #define POSITIONS_PER_ITEM 16
+#define TRANSPOSED_KEYS 2048   /* a prompt's keys an item keeps transposed for its positions (attend) */
 #define MAX_SHARDS 32          /* enough to balance any thread count up to 32 */
 #define PARALLEL_SCORES 2048  /* fewer (query, key) pairs run on the calling thread: a decode step of
                                  8 rows of SmolLM2 ran 41 us on one thread, 31 on two; 4 rows broke even */
@@ -86,6 +87,7 @@ typedef struct {
     float* scratch;                /* per shard: scratch_per_item floats */
     int64_t items, shards;         /* work items, and shards of them (run_shard) */
     int64_t padded_keys, scratch_per_item;
+    int64_t transposed_keys;       /* keys from slot 0 an item keeps transposed (0: none, a decode step) */
     int64_t q_block, kv_block;     /* ONNX Runtime's query rows and keys per block in a prompt */
 } Job;
 
@@ -390,6 +392,12 @@ static void attend(const Job* job, int64_t item, float* scratch) {
     float* queries = scratch + group * job->padded_keys;
     float* unnormalized = queries + group * d;  /* a prompt row's outputs before 1 / sum, per query head */
     float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
+    /* A prompt's positions share its keys: blocks of 16 from slot 0, each [d][16], transposed once for all
+       the item's positions (at 42 positions a row, 78 transposes of a block became 6), where the KV blocks
+       start on a block of 16. Each block holds its 16 slots whatever the position: a key past a position's
+       own only fills a lane its scores never store. */
+    float* transposed = columns + d * LANES;
+    int64_t kept = job->kv_block % LANES == 0 ? job->transposed_keys / LANES : 0, held = 0;
     /* A first prompt's GEMMs span all its slots. A row shorter than the step (right-padded, its pads after
        its mask's end) is computed as ONNX Runtime computes it alone, over its own slots: its numbers do
        not depend on how far the longest row reaches. Its pads' outputs are zeros. */
@@ -428,13 +436,25 @@ static void attend(const Job* job, int64_t item, float* scratch) {
             int64_t live = in_block < n - start ? in_block : n - start;
             int64_t score_slice = gemm_slice(in_block, d);
             for (int64_t j0 = 0; j0 < live; j0 += LANES) {
-                transpose_keys(keys + (start + j0) * d, live - j0 < LANES ? live - j0 : LANES, d, columns);
+                int64_t key_block = (start + j0) / LANES;
+                const float* block_columns = columns;
+                if (key_block < kept) {
+                    block_columns = transposed + key_block * d * LANES;
+                    if (key_block == held) {  /* positions visit the blocks in order from slot 0 */
+                        int64_t slot = key_block * LANES;
+                        transpose_keys(keys + slot * d, job->slots - slot < LANES ? job->slots - slot : LANES, d,
+                                       transposed + key_block * d * LANES);
+                        held++;
+                    }
+                } else {
+                    transpose_keys(keys + (start + j0) * d, live - j0 < LANES ? live - j0 : LANES, d, columns);
+                }
                 for (int64_t h = 0; h < group; h += 4) {
                     int rows = group - h < 4 ? (int)(group - h) : 4;
                     __mmask16 lanes = first_lanes(live - j0);
-                    if (decode && d == 64) decode_score_blocks(columns, 64, q + h, rows, job->scale, j0, lanes, probs + h);
-                    else if (decode) decode_score_blocks(columns, d, q + h, rows, job->scale, j0, lanes, probs + h);
-                    else score_blocks(columns, d, score_slice, q + h, rows, job->scale, j0, lanes, probs + h);
+                    if (decode && d == 64) decode_score_blocks(block_columns, 64, q + h, rows, job->scale, j0, lanes, probs + h);
+                    else if (decode) decode_score_blocks(block_columns, d, q + h, rows, job->scale, j0, lanes, probs + h);
+                    else score_blocks(block_columns, d, score_slice, q + h, rows, job->scale, j0, lanes, probs + h);
                 }
             }
             for (int64_t h = 0; h < group; h++) {
@@ -598,7 +618,8 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][3] : 0,
                kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), out,
                (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, 0, 0, (longest + LANES - 1) / LANES * LANES, 0, 1, 1};
-    job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES;
+    job.transposed_keys = seq > 1 ? (job.padded_keys < TRANSPOSED_KEYS ? job.padded_keys : TRANSPOSED_KEYS) : 0;
+    job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES + job.transposed_keys * d;
     /* ONNX Runtime's query block (group_query_attention's flash path): KV blocks sized to the L2 cache, at
        most 2 * head size query rows a block. */
     int64_t kv_block = kernel->l2 > 0 ? (int64_t)kernel->l2 / (int64_t)(sizeof(float) * 4 * 2 * d) : 1;
