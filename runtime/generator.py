@@ -27,10 +27,11 @@ Params = SamplingParams | Sequence[SamplingParams]  # one for all requests, or o
 
 class Generator:
     def __init__(self, artifact: Artifact, backend: Any, tokenizer: Tokenizer, max_batch_size: int = 32,
-                 max_prefill_tokens: int = 512) -> None:
+                 max_prefill_tokens: int = 512, prefill_first: bool = True) -> None:
+        """prefill_first: the engine's policy for bulk calls (Engine.prefill_first); a server passes False."""
         self.artifact, self.backend, self.tokenizer = artifact, backend, tokenizer
         self.engine = Engine(backend, tokenizer, eos_ids(artifact), artifact.manifest["model"]["max_context"],
-                             max_batch_size, max_prefill_tokens, prefill_first=True)
+                             max_batch_size, max_prefill_tokens, prefill_first=prefill_first)
 
     @classmethod
     def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[str] | None = None,

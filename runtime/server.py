@@ -275,8 +275,9 @@ class Service:
 
         config = self.config
         backend = open_backend(self.artifact.folder, self.entry, None, config.threads, verified=config.verify)
+        # the prefill budget between decode steps holds: running requests keep streaming under a burst
         generator = Generator(self.artifact, backend, Tokenizer(self.artifact.tokenizer_dir), config.max_batch_size,
-                              config.max_prefill_tokens)
+                              config.max_prefill_tokens, prefill_first=False)
         generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
         self.engine = generator.engine

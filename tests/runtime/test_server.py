@@ -390,6 +390,8 @@ def test_health_is_503_until_the_model_is_loaded(serve_artifact):
         assert status("/v1/completions", completion) == 503
         service.load()
         assert status("/health") == 200 and status("/v1/completions", completion) == 200
+        # a server's engine keeps the prefill budget between decode steps (a bulk call's does not)
+        assert service.engine.prefill_first is False
     finally:
         server.should_exit = True
         thread.join(30)
