@@ -100,6 +100,8 @@ CASES = {  # heads, kv heads, head size, batch, new tokens, slots, row lengths, 
     # at a time with a running rescale; the last query block of one row
     "prompt of 513 (two KV blocks)": (9, 3, 64, 1, 513, 520, [513], True, {}),
     "prompt after 600 past tokens": (9, 3, 64, 1, 40, 700, [640], False, {}),
+    # past the 2048 keys a work item keeps transposed for all its positions: later blocks per position
+    "prompt of 40 after 2060 past tokens": (9, 3, 64, 1, 40, 2112, [2100], False, {}),
     "prompt after past tokens": (9, 3, 64, 1, 5, 32, [15], False, {}),
     "bias": (9, 3, 64, 1, 9, 16, [9], True, {"bias": True}),
     "q, k, v apart": (9, 3, 64, 4, 1, 24, [5, 10, 24, 3], False, {"packed": False}),
