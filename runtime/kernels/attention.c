@@ -87,7 +87,8 @@ typedef struct {
     float* scratch;                /* per shard: scratch_per_item floats */
     int64_t items, shards;         /* work items, and shards of them (run_shard) */
     int64_t padded_keys, scratch_per_item;
-    int64_t transposed_keys;       /* keys from slot 0 an item keeps transposed (0: none, a decode step) */
+    int64_t transposed_keys;       /* keys from slot 0 an item keeps transposed (0 for a decode step, or
+                                      where the KV blocks do not start on a block of 16) */
     int64_t q_block, kv_block;     /* ONNX Runtime's query rows and keys per block in a prompt */
 } Job;
 
@@ -394,10 +395,10 @@ static void attend(const Job* job, int64_t item, float* scratch) {
     float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
     /* A prompt's positions share its keys: blocks of 16 from slot 0, each [d][16], transposed once for all
        the item's positions (at 42 positions a row, 78 transposes of a block became 6), where the KV blocks
-       start on a block of 16. Each block holds its 16 slots whatever the position: a key past a position's
-       own only fills a lane its scores never store. */
+       start on a block of 16 (job->transposed_keys is 0 where they do not). Each block holds its 16 slots
+       whatever the position: a key past a position's own only fills a lane its scores never store. */
     float* transposed = columns + d * LANES;
-    int64_t kept = job->kv_block % LANES == 0 ? job->transposed_keys / LANES : 0, held = 0;
+    int64_t kept = job->transposed_keys / LANES, held = 0;
     /* A first prompt's GEMMs span all its slots. A row shorter than the step (right-padded, its pads after
        its mask's end) is computed as ONNX Runtime computes it alone, over its own slots: its numbers do
        not depend on how far the longest row reaches. Its pads' outputs are zeros. */
@@ -618,8 +619,6 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                in[ATTENTION_BIAS] ? dims[ATTENTION_BIAS][3] : 0,
                kernel->scale != 0.0f ? kernel->scale : 1.0f / sqrtf((float)d), out,
                (seq + POSITIONS_PER_ITEM - 1) / POSITIONS_PER_ITEM, NULL, 0, 0, (longest + LANES - 1) / LANES * LANES, 0, 1, 1};
-    job.transposed_keys = seq > 1 ? (job.padded_keys < TRANSPOSED_KEYS ? job.padded_keys : TRANSPOSED_KEYS) : 0;
-    job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES + job.transposed_keys * d;
     /* ONNX Runtime's query block (group_query_attention's flash path): KV blocks sized to the L2 cache, at
        most 2 * head size query rows a block. */
     int64_t kv_block = kernel->l2 > 0 ? (int64_t)kernel->l2 / (int64_t)(sizeof(float) * 4 * 2 * d) : 1;
@@ -627,6 +626,10 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     job.kv_block = kv_block;
     job.q_block = kv_block < 2 * d ? kv_block : 2 * d;
     if (job.q_block > seq) job.q_block = seq;
+    /* a prompt's blocks of 16 keys kept transposed (attend), where its KV blocks start on one */
+    job.transposed_keys = seq > 1 && kv_block % LANES == 0
+        ? (job.padded_keys < TRANSPOSED_KEYS ? job.padded_keys : TRANSPOSED_KEYS) : 0;
+    job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES + job.transposed_keys * d;
     if (!job.k || !job.v || (kernel->rotary && (!job.cos || !job.sin)) || (in[ATTENTION_BIAS] && !job.bias))
         return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
     /* Shards of work items, each with one scratch area: enough to balance the threads, and the scratch
