@@ -142,7 +142,15 @@ const void* kiln_weights_copy(const void* weights, size_t bytes, void** owner) {
     if (choice && strcmp(choice, "mapped") == 0) return NULL;  /* one copy for every process on the host */
     pthread_mutex_lock(&chunks_lock);
     Chunk* chunk = chunks && chunks->size - chunks->used >= bytes ? chunks : NULL;
-    if (!chunk && (chunk = new_chunk(bytes))) { chunk->next = chunks; chunks = chunk; }
+    if (!chunk && (chunk = new_chunk(bytes))) {
+        if (bytes > CHUNK_BYTES && chunks) {  /* a chunk of its own, full: the head keeps its room */
+            chunk->next = chunks->next;
+            chunks->next = chunk;
+        } else {
+            chunk->next = chunks;
+            chunks = chunk;
+        }
+    }
     char* copy = NULL;
     if (chunk) {
         copy = chunk->base + chunk->used;
