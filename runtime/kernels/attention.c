@@ -34,7 +34,14 @@
    prompt of rows of different lengths (right-padded), ONNX Runtime sizes a row's blocks by the longest
    row, so its numbers change with the padding (a row of 129 tokens alone ends in a query block of one
    row, SGEMM's M = 1 kernel; padded to 140 it does not); here each row gets ONNX Runtime's numbers for
-   it alone, and its pads' outputs are zeros. */
+   it alone, and its pads' outputs are zeros.
+
+   ai.kiln::GroupQueryAttentionFp16Cache is the same op over an fp16 cache (past and present fp16, the
+   recipe's kv_cache: float16): the new keys, rotated in fp32, and values are rounded to nearest even as
+   they are stored, and every key and value read is widened exactly, so the sums above run in fp32 in
+   the same order: the fp32 op's numbers for the values the cache holds. A decode step reads the whole
+   cache of every row, which at batch 32 and a few hundred tokens is more bytes than an int8 model's
+   weights: half of them is the point. */
 
 /* Every multiply and add below must round as written (setup.py builds with -ffp-contract=off): a fused
    multiply-add where ONNX Runtime's kernels round twice would change the last bit. */
@@ -50,6 +57,7 @@
 #include "ort_api.h"
 
 #define NAME "GroupQueryAttention"
+#define HALF_NAME "GroupQueryAttentionFp16Cache"
 #define LANES 16
 #define MAX_HEAD_SIZE 256
 #define POSITIONS_PER_ITEM 16
@@ -66,13 +74,15 @@ typedef struct {
     float scale;  /* 0: 1 / sqrt(d) */
     int rotary, interleaved;
     long l2;      /* the L2 cache's bytes, which size ONNX Runtime's KV blocks */
+    int half_cache;  /* the KV cache in fp16 (GroupQueryAttentionFp16Cache) */
 } Kernel;
 
 typedef struct {
     int64_t batch, seq, heads, kv_heads, group, d;
     const float *q, *k, *v;        /* row 0, token 0: its first query head, key head, value head */
     int64_t q_stride, kv_stride;   /* floats from one token's to the next */
-    float *keys, *values;          /* present [batch][kv_heads][slots][d] */
+    void *keys, *values;           /* present [batch][kv_heads][slots][d], fp32 or (half_cache) fp16 */
+    int half_cache;
     int64_t slots;
     const int32_t* seqlens;
     int first_prompt;
@@ -132,6 +142,17 @@ static int64_t gemm_slice(int64_t columns, int64_t depth) {
     return stride_k;
 }
 
+/* 16 of a KV cache's numbers from element i: fp32 as they are, fp16 widened (exactly). */
+static inline __attribute__((always_inline)) __m512 load_cached(const void* cache, int64_t i, int half) {
+    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)cache + i)))
+                : _mm512_loadu_ps((const float*)cache + i);
+}
+
+/* The cache's element i as an address, for an element size of 2 (half) or 4 bytes. */
+static inline const void* cached_at(const void* cache, int64_t i, int half) {
+    return (const char*)cache + i * (half ? 2 : 4);
+}
+
 /* r[j] <- r's column j: a 16 x 16 transpose in registers. */
 static inline __attribute__((always_inline)) void transpose16(__m512* r) {
     __m512 t[16];
@@ -158,11 +179,11 @@ static inline __attribute__((always_inline)) void transpose16(__m512* r) {
 }
 
 /* keys [count <= 16][d] -> columns [d][16] (columns past count zero): the 16 keys side by side, one
-   vector per dimension, as MLAS packs the transposed B of Q K^T. */
-static void transpose_keys(const float* keys, int64_t count, int64_t d, float* columns) {
+   vector per dimension, as MLAS packs the transposed B of Q K^T; fp16 keys widened. */
+static void transpose_keys(const void* keys, int64_t count, int64_t d, float* columns, int half) {
     for (int64_t k0 = 0; k0 < d; k0 += LANES) {
         __m512 r[16];
-        for (int64_t j = 0; j < LANES; j++) r[j] = j < count ? _mm512_loadu_ps(keys + j * d + k0) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < LANES; j++) r[j] = j < count ? load_cached(keys, j * d + k0, half) : _mm512_setzero_ps();
         transpose16(r);
         for (int64_t t = 0; t < LANES; t++) _mm512_storeu_ps(columns + (k0 + t) * LANES, r[t]);
     }
@@ -295,16 +316,16 @@ enum {
 
 /* outs[r][c .. c + 16 width) = sum over keys j < n of probs[r][j] * value j, for rows r < rows (<= 4), each
    value vector loaded once for all the rows, summed as `order` says; with `accumulate` the sum starts from
-   outs (SGEMM's beta = 1). Inlined with literal rows, width and order. */
+   outs (SGEMM's beta = 1); fp16 values widened. Inlined with literal rows, width, order and half. */
 static inline __attribute__((always_inline)) void weighted_sum(float* const* probs, int rows, int64_t n,
-                                                               const float* values, int64_t d, int64_t c, int width,
+                                                               const void* values, int64_t d, int64_t c, int width,
                                                                int order, int64_t slice, int accumulate,
-                                                               float* const* outs) {
+                                                               float* const* outs, int half) {
     __m512 sum[4][4];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < width; t++)
             sum[r][t] = accumulate ? _mm512_loadu_ps(outs[r] + c + t * LANES) : _mm512_setzero_ps();
-#define VALUE(J, T) _mm512_loadu_ps(values + (J) * d + c + (T) * LANES)
+#define VALUE(J, T) load_cached(values, (J) * d + c + (T) * LANES, half)
 #define TERM(R, J, V) _mm512_mul_ps(_mm512_set1_ps(probs[R][J]), V)
     if (order == DECODE_GEMV) {
         for (int64_t j = 0; j < n; j++)
@@ -359,21 +380,19 @@ static inline __attribute__((always_inline)) void weighted_sum(float* const* pro
             _mm512_storeu_ps(outs[r] + c + t * LANES, sum[r][t]);
 }
 
-static void weighted_sums(float* const* probs, int rows, int64_t n, const float* values, int64_t d, int order,
-                          int64_t slice, int accumulate, float* const* outs) {
+static void weighted_sums(float* const* probs, int rows, int64_t n, const void* values, int64_t d, int order,
+                          int64_t slice, int accumulate, float* const* outs, int half) {
     for (int64_t c = 0; c < d; c += 4 * LANES) {
         int width = d - c >= 4 * LANES ? 4 : (int)((d - c) / LANES);
-#define CASE(R, O) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, accumulate, outs); \
-                   else weighted_sum(probs, R, n, values, d, c, width, O, slice, accumulate, outs)
-#define ROWS(R) if (order == DECODE_GEMV) { CASE(R, DECODE_GEMV); } else if (order == SGEMM_M1) { CASE(R, SGEMM_M1); } \
-                else { CASE(R, SGEMM); }
-        switch (rows) {
-            case 1: ROWS(1); break;
-            case 2: ROWS(2); break;
-            case 3: ROWS(3); break;
-            default: ROWS(4); break;
-        }
+#define CASE(R, O, H) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, accumulate, outs, H); \
+                      else weighted_sum(probs, R, n, values, d, c, width, O, slice, accumulate, outs, H)
+#define ORDERS(R, H) if (order == DECODE_GEMV) { CASE(R, DECODE_GEMV, H); } \
+                     else if (order == SGEMM_M1) { CASE(R, SGEMM_M1, H); } else { CASE(R, SGEMM, H); }
+#define ROWS(H) switch (rows) { case 1: ORDERS(1, H); break; case 2: ORDERS(2, H); break; \
+                                case 3: ORDERS(3, H); break; default: ORDERS(4, H); break; }
+        if (half) { ROWS(1) } else { ROWS(0) }
 #undef ROWS
+#undef ORDERS
 #undef CASE
     }
 }
@@ -388,8 +407,9 @@ static void attend(const Job* job, int64_t item, float* scratch) {
     int64_t row = item / job->chunks / job->kv_heads;
     int64_t d = job->d, group = job->group, past = past_of(job, row), total = (int64_t)job->seqlens[row] + 1;
     int64_t first = chunk * POSITIONS_PER_ITEM, last = first + POSITIONS_PER_ITEM < job->seq ? first + POSITIONS_PER_ITEM : job->seq;
-    const float* keys = job->keys + (row * job->kv_heads + g) * job->slots * d;
-    const float* values = job->values + (row * job->kv_heads + g) * job->slots * d;
+    int half = job->half_cache;
+    const void* keys = cached_at(job->keys, (row * job->kv_heads + g) * job->slots * d, half);
+    const void* values = cached_at(job->values, (row * job->kv_heads + g) * job->slots * d, half);
     float* queries = scratch + group * job->padded_keys;
     float* unnormalized = queries + group * d;  /* a prompt row's outputs before 1 / sum, per query head */
     float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
@@ -443,12 +463,13 @@ static void attend(const Job* job, int64_t item, float* scratch) {
                     block_columns = transposed + key_block * d * LANES;
                     if (key_block == held) {  /* positions visit the blocks in order from slot 0 */
                         int64_t slot = key_block * LANES;
-                        transpose_keys(keys + slot * d, job->slots - slot < LANES ? job->slots - slot : LANES, d,
-                                       transposed + key_block * d * LANES);
+                        transpose_keys(cached_at(keys, slot * d, half), job->slots - slot < LANES ? job->slots - slot : LANES,
+                                       d, transposed + key_block * d * LANES, half);
                         held++;
                     }
                 } else {
-                    transpose_keys(keys + (start + j0) * d, live - j0 < LANES ? live - j0 : LANES, d, columns);
+                    transpose_keys(cached_at(keys, (start + j0) * d, half), live - j0 < LANES ? live - j0 : LANES, d,
+                                   columns, half);
                 }
                 for (int64_t h = 0; h < group; h += 4) {
                     int rows = group - h < 4 ? (int)(group - h) : 4;
@@ -487,8 +508,8 @@ static void attend(const Job* job, int64_t item, float* scratch) {
             }
             int64_t count = order == SGEMM_M1 ? in_block : live;
             for (int64_t h = 0; h < group; h += 4)
-                weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, count, values + start * d, d, order,
-                              gemm_slice(d, in_block), start > 0, sums + h);
+                weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, count, cached_at(values, start * d, half),
+                              d, order, gemm_slice(d, in_block), start > 0, sums + h, half);
         }
         for (int64_t h = 0; h < group; h++) {
             __m512 factor = _mm512_set1_ps(summed[h] > 0.0f ? 1.0f / summed[h] : 0.0f);
@@ -509,7 +530,7 @@ static void run_shard(void* data, size_t shard) {
 /* -- the op ---------------------------------------------------------------------------------------- */
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
-    (void)op; (void)api_;
+    (void)api_;
     int64_t heads = kiln_attribute_int(info, "num_heads", 0), kv_heads = kiln_attribute_int(info, "kv_num_heads", 0);
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > 64)
         return kiln_op_error(ORT_INVALID_ARGUMENT, NAME,
@@ -525,12 +546,12 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     Kernel* kernel = calloc(1, sizeof(Kernel));
     if (!kernel) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
     *kernel = (Kernel){heads, kv_heads, kiln_attribute_float(info, "scale", 0.0f), (int)rotary, (int)interleaved,
-                       sysconf(_SC_LEVEL2_CACHE_SIZE)};
+                       sysconf(_SC_LEVEL2_CACHE_SIZE), op == &kiln_attention_fp16_cache_op};
     *out = kernel;
     return NULL;
 }
 
-#define INVALID(what) kiln_op_error(ORT_INVALID_ARGUMENT, NAME, what)
+#define INVALID(what) kiln_op_error(ORT_INVALID_ARGUMENT, kernel->half_cache ? HALF_NAME : NAME, what)
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
@@ -599,10 +620,10 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
         return status;
     if (batch == 0) return NULL;
     const float* query = kiln_data_of(in[QUERY]);
-    const float* past_key = kiln_data_of(in[PAST_KEY]);
-    const float* past_value = kiln_data_of(in[PAST_VALUE]);
-    float* keys = kiln_data_of(present_key);
-    float* values = kiln_data_of(present_value);
+    const void* past_key = kiln_data_of(in[PAST_KEY]);
+    const void* past_value = kiln_data_of(in[PAST_VALUE]);
+    void* keys = kiln_data_of(present_key);
+    void* values = kiln_data_of(present_value);
     float* out = kiln_data_of(output);
     if (!query || !keys || !values || !out || (past_slots && (!past_key || !past_value)))
         return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
@@ -611,7 +632,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                query, packed ? query + heads * d : kiln_data_of(in[KEY]),
                packed ? query + (heads + kv_heads) * d : kiln_data_of(in[VALUE]),
                packed ? (heads + 2 * kv_heads) * d : heads * d, packed ? (heads + 2 * kv_heads) * d : kv_heads * d,
-               keys, values, slots, seqlens, first_prompt,
+               keys, values, kernel->half_cache, slots, seqlens, first_prompt,
                kernel->rotary ? kiln_data_of(in[COS_CACHE]) : NULL, kernel->rotary ? kiln_data_of(in[SIN_CACHE]) : NULL,
                half, kernel->interleaved,
                in[ATTENTION_BIAS] ? kiln_data_of(in[ATTENTION_BIAS]) : NULL,
@@ -641,27 +662,39 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     if (!job.scratch) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
 
     /* The cache first: a copy of past where present is not its buffer (what ONNX Runtime's op writes:
-       zeros, then each row's past slots), then every row's new keys, rotated, and values. */
-    size_t head_bytes = sizeof(float) * (size_t)(slots * d);
+       zeros, then each row's past slots), then every row's new keys, rotated, and values (an fp16 cache
+       gets them rounded to nearest even). */
+    size_t element = kernel->half_cache ? 2 : 4, head_bytes = element * (size_t)(slots * d);
     for (int kind = 0; kind < 2; kind++) {
-        float* cache = kind ? values : keys;
-        const float* past = kind ? past_value : past_key;
+        char* cache = kind ? values : keys;
+        const char* past = kind ? past_value : past_key;
         if (cache == past) continue;
         memset(cache, 0, head_bytes * (size_t)(batch * kv_heads));
         for (int64_t r = 0; r < batch; r++) {
             int64_t kept = past_of(&job, r) < past_slots ? past_of(&job, r) : past_slots;
             for (int64_t g = 0; g < kv_heads; g++)
-                memcpy(cache + (r * kv_heads + g) * slots * d, past + (r * kv_heads + g) * past_slots * d,
-                       sizeof(float) * (size_t)(kept * d));
+                memcpy(cache + element * (size_t)((r * kv_heads + g) * slots * d),
+                       past + element * (size_t)((r * kv_heads + g) * past_slots * d), element * (size_t)(kept * d));
         }
     }
+    float rotated[MAX_HEAD_SIZE];
     for (int64_t r = 0; r < batch; r++)
         for (int64_t i = 0; i < seq; i++)
             for (int64_t g = 0; g < kv_heads; g++) {
                 int64_t slot = past_of(&job, r) + i;
                 int64_t at = ((r * kv_heads + g) * slots + slot) * d, from = (r * seq + i) * job.kv_stride + g * d;
-                rotate(&job, job.k + from, keys + at, slot);
-                memcpy(values + at, job.v + from, sizeof(float) * (size_t)d);
+                if (!kernel->half_cache) {
+                    rotate(&job, job.k + from, (float*)keys + at, slot);
+                    memcpy((float*)values + at, job.v + from, sizeof(float) * (size_t)d);
+                    continue;
+                }
+                rotate(&job, job.k + from, rotated, slot);
+                for (int64_t c = 0; c < d; c += LANES) {
+                    _mm256_storeu_si256((__m256i*)((uint16_t*)keys + at + c),
+                                        _mm512_cvtps_ph(_mm512_loadu_ps(rotated + c), _MM_FROUND_TO_NEAREST_INT));
+                    _mm256_storeu_si256((__m256i*)((uint16_t*)values + at + c),
+                                        _mm512_cvtps_ph(_mm512_loadu_ps(job.v + from + c), _MM_FROUND_TO_NEAREST_INT));
+                }
             }
 
     if (job.shards > 1 && batch * heads * seq * longest >= PARALLEL_SCORES)
@@ -672,10 +705,13 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     return NULL;
 }
 
-static const char* op_name(const OrtCustomOp* op) { (void)op; return NAME; }
+static const char* op_name(const OrtCustomOp* op) { return op == &kiln_attention_fp16_cache_op ? HALF_NAME : NAME; }
 static int input_type(const OrtCustomOp* op, size_t i) {
-    (void)op;
+    if (op == &kiln_attention_fp16_cache_op && (i == PAST_KEY || i == PAST_VALUE)) return TYPE_FLOAT16;
     return i == SEQLENS_K || i == TOTAL_LENGTH ? TYPE_INT32 : i == POSITION_IDS ? TYPE_INT64 : TYPE_FLOAT;
+}
+static int output_type(const OrtCustomOp* op, size_t i) {
+    return op == &kiln_attention_fp16_cache_op && i > 0 ? TYPE_FLOAT16 : TYPE_FLOAT;
 }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return INPUT_COUNT; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 3; }
@@ -688,6 +724,19 @@ OrtCustomOp kiln_attention_op = {
     KILN_OP_COMMON,
     .GetName = op_name,
     .GetInputType = input_type,
+    .GetInputTypeCount = input_count,
+    .GetOutputTypeCount = output_count,
+    .GetInputCharacteristic = input_characteristic,
+    .CreateKernelV2 = create_kernel,
+    .KernelComputeV2 = compute,
+};
+
+/* The same op over an fp16 KV cache: past and present fp16, the rest as above. */
+OrtCustomOp kiln_attention_fp16_cache_op = {
+    KILN_OP_COMMON,
+    .GetName = op_name,
+    .GetInputType = input_type,
+    .GetOutputType = output_type,
     .GetInputTypeCount = input_count,
     .GetOutputTypeCount = output_count,
     .GetInputCharacteristic = input_characteristic,

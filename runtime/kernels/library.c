@@ -20,8 +20,8 @@ const OrtApi* kiln_api;
 /* What runtime/cpu_kernels.py checks the library against (LIBRARY_VERSION), raised whenever an op's
    numbers or contract change: a library built from older sources (an editable checkout not rebuilt)
    is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). 3: the
-   op SwiGLU (swiglu.c). */
-int kiln_cpu_kernels_version(void) { return 3; }
+   op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). */
+int kiln_cpu_kernels_version(void) { return 4; }
 
 int kiln_cpu_kernels_supported(void) {
     __builtin_cpu_init();
@@ -212,7 +212,8 @@ static void setup(void) {
         strcpy(setup_error, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
         return;
     }
-    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_attention_op, &kiln_swiglu_op};
+    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_attention_op, &kiln_attention_fp16_cache_op,
+                          &kiln_swiglu_op};
     OrtCustomOpDomain* made = NULL;
     OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
     for (size_t i = 0; !status && i < sizeof ops / sizeof *ops; i++)

@@ -55,6 +55,7 @@ enum {
 #define TYPE_UINT8 2
 #define TYPE_INT32 6
 #define TYPE_INT64 7
+#define TYPE_FLOAT16 10
 #define REQUIRED 0
 #define OPTIONAL 1
 
@@ -85,7 +86,8 @@ typedef struct OrtCustomOp {
 } OrtCustomOp;
 
 /* The ops, one table each (int8_blocks.c, attention.c, swiglu.c). */
-extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_attention_op, kiln_swiglu_op;
+extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_attention_op, kiln_attention_fp16_cache_op,
+    kiln_swiglu_op;
 
 /* -- shared by the ops (library.c) ----------------------------------------------------------------- */
 

@@ -1,8 +1,9 @@
 """Kiln's attention kernel (runtime/kernels/attention.c, ai.kiln::GroupQueryAttention) in a real ONNX
 Runtime session, against com.microsoft::GroupQueryAttention on the same inputs: the same numbers bit for
 bit (the kernel follows the order of ONNX Runtime 1.32's sums), the KV buffers written in place when
-bound as past and present, each row's numbers independent of its neighbours; skipped where this machine
-cannot run the kernels."""
+bound as past and present, each row's numbers independent of its neighbours; and over an fp16 cache
+(ai.kiln::GroupQueryAttentionFp16Cache), the fp32 op's numbers for the same cached values. Skipped where
+this machine cannot run the kernels."""
 
 from __future__ import annotations
 
@@ -19,16 +20,18 @@ MASKED = -10000.0  # what the compiler's bias adds to a pad slot
 
 
 def attention_session(domain: str, heads: int, kv_heads: int, d: int, packed: bool = True, rotary: bool = True,
-                      bias: bool = False, **attributes) -> ort.InferenceSession:
+                      bias: bool = False, half_cache: bool = False, **attributes) -> ort.InferenceSession:
     """One GroupQueryAttention node as the compiler writes it: packed q/k/v (or three inputs), past and
-    present buffers, seqlens_k and total_sequence_length, cos/sin caches, an additive bias."""
+    present buffers (fp16 ones: Kiln's GroupQueryAttentionFp16Cache), seqlens_k and total_sequence_length,
+    cos/sin caches, an additive bias."""
+    cache_type = TensorProto.FLOAT16 if half_cache else TensorProto.FLOAT
     width = (heads + 2 * kv_heads) * d if packed else heads * d
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["b", "s", width])]
     names = ["query", "", ""]
     if not packed:
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", kv_heads * d]) for n in ("key", "value")]
         names = ["query", "key", "value"]
-    inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", kv_heads, "slots", d]) for n in ("past_key", "past_value")]
+    inputs += [helper.make_tensor_value_info(n, cache_type, ["b", kv_heads, "slots", d]) for n in ("past_key", "past_value")]
     inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
                helper.make_tensor_value_info("total", TensorProto.INT32, [])]
     names += ["past_key", "past_value", "seqlens_k", "total"]
@@ -38,9 +41,11 @@ def attention_session(domain: str, heads: int, kv_heads: int, d: int, packed: bo
     if bias:
         inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, ["b", 1, "s", "t"]))
         names += ["", "bias"]
-    node = helper.make_node("GroupQueryAttention", names, ["out", "present_key", "present_value"], domain=domain,
+    op = cpu_kernels.ATTENTION_FP16_CACHE_OP if half_cache else "GroupQueryAttention"
+    node = helper.make_node(op, names, ["out", "present_key", "present_value"], domain=domain,
                             num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(rotary), **attributes)
-    outputs = [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("out", "present_key", "present_value")]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
+    outputs += [helper.make_tensor_value_info(n, cache_type, None) for n in ("present_key", "present_value")]
     model = helper.make_model(helper.make_graph([node], "g", inputs, outputs),
                               opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(domain, 1)])
     options = ort.SessionOptions()
@@ -134,11 +139,68 @@ def test_kiln_attention_gives_onnx_runtimes_numbers_bit_for_bit(name, shared):
         assert np.array_equal(ours[2][row, :, :used], theirs[2][row, :, :used])
 
 
-def test_a_rows_numbers_do_not_depend_on_its_neighbours():
+HALF_CASES = ["decode", "decode, 32 rows", "decode, a long cache", "prompt", "prompt of 129 (a query block of one row)",
+              "prompt of 513 (two KV blocks)", "prompt after 600 past tokens", "prompt of 40 after 2060 past tokens",
+              "bias", "q, k, v apart", "head size 128", "head size 80, 7 heads a group"]
+
+
+def half_exact(feeds):
+    """The feeds with every number fp16 can hold exactly (a cache, keys and values rounded to fp16 lose
+    nothing more), the caches as fp16."""
+    exact = {k: v.astype(np.float16).astype(np.float32) if v.dtype == np.float32 else v for k, v in feeds.items()}
+    halves = {k: v.astype(np.float16) for k, v in exact.items() if k in ("past_key", "past_value")}
+    return exact, {**exact, **halves}
+
+
+@pytest.mark.parametrize("name", HALF_CASES)
+@pytest.mark.parametrize("shared", [True, False], ids=["in place", "copied"])
+def test_an_fp16_cache_gives_the_fp32_ops_numbers_for_the_values_it_holds(name, shared):
+    """Without rotation and with inputs fp16 holds exactly, both caches hold the same values: the outputs
+    are the fp32 op's bit for bit (every sum in fp32, in the same order), the cache its values in fp16."""
+    heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, options = CASES[name]
+    data = {k: options[k] for k in ("packed", "bias") if k in options}
+    feeds = inputs_for(np.random.default_rng(len(name)), heads, kv_heads, d, batch, seq, slots, lengths, first_prompt,
+                       rotary=False, **data)
+    exact, half = half_exact(feeds)
+    fp32 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, **data), exact, shared)
+    fp16 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, half_cache=True, **data),
+               half, shared)
+    assert fp16[1].dtype == fp16[2].dtype == np.float16
+    assert np.array_equal(fp16[0], fp32[0])
+    for row, length in enumerate(lengths):
+        used = seq if first_prompt else length
+        for kind in (1, 2):
+            assert np.array_equal(fp16[kind][row, :, :used], fp32[kind][row, :, :used].astype(np.float16))
+
+
+@pytest.mark.parametrize("name", ["decode, 32 rows", "prompt", "interleaved rotary", "partial rotary"])
+def test_an_fp16_cache_holds_rotated_keys_rounded_once(name):
+    """With rotation: the new keys are the fp32 op's rotated keys rounded to fp16 (to nearest even, as
+    numpy rounds), and the outputs within fp16's rounding of the fp32 op's."""
+    heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, options = CASES[name]
+    data = {k: options[k] for k in ("half",) if k in options}
+    attributes = {k: v for k, v in options.items() if k not in data}
+    feeds = inputs_for(np.random.default_rng(len(name)), heads, kv_heads, d, batch, seq, slots, lengths, first_prompt,
+                       **data)
+    exact, half = half_exact(feeds)
+    fp32 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, **attributes), exact, True)
+    fp16 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, half_cache=True, **attributes), half, True)
+    for row, length in enumerate(lengths):
+        used = seq if first_prompt else length
+        assert np.array_equal(fp16[1][row, :, :used], fp32[1][row, :, :used].astype(np.float16))
+        assert np.array_equal(fp16[2][row, :, :used], fp32[2][row, :, :used].astype(np.float16))
+    assert np.allclose(fp16[0], fp32[0], rtol=0, atol=2e-2)
+    assert not np.array_equal(fp16[0], fp32[0])  # the rounded new keys do count
+
+
+@pytest.mark.parametrize("half_cache", [False, True], ids=["fp32 cache", "fp16 cache"])
+def test_a_rows_numbers_do_not_depend_on_its_neighbours(half_cache):
     rng = np.random.default_rng(1)
     lengths = [7, 60, 33, 12]
     feeds = inputs_for(rng, 9, 3, 64, 4, 1, 64, lengths, False)
-    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64)
+    if half_cache:
+        feeds = half_exact(feeds)[1]
+    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64, half_cache=half_cache)
     together = run(session, feeds, True)
     for row in range(4):
         alone = {k: (v[row:row + 1] if k in ("query", "past_key", "past_value", "seqlens_k") else v)
