@@ -148,7 +148,7 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
     return dataclasses.replace(folded, files=[*folded.files, GENAI_MODEL_FILE]), count
 
 
-def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None, int | str]:
+def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -> tuple[OnnxArtifact | None, int | str]:
     """The graph for Kiln's CPU kernels (runtime/cpu_kernels.py) in `folder`: `graph` with each
     MatMulNBits in blocks of 32 with int8 activations as ai.kiln::MatMulInt8Blocks (8 bits) or
     MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE, each
@@ -165,6 +165,11 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     after an fp32 MatMul (an fp32 variant, or a layer the quantizer kept in fp32) those four nodes
     become one ai.kiln::SwiGLU, the same numbers in one pass.
 
+    kv_cache "float16" (the recipe's): where every attention is Kiln's and the KV cache is read by
+    nothing else (a Shape aside), each is ai.kiln::GroupQueryAttentionFp16Cache and the graph's past and
+    present are fp16 (its interface says so); else the cache stays fp32, and the interface's type is how
+    the caller tells.
+
     The caller measures it against eager as it measures `graph`: the kernel rounds each activation as
     MLAS does but sums in another order, and int8 activations carry a last-bit difference into other
     roundings a layer later (SmolLM2 int8: top-1 0.985 on MLAS, 0.973 and 0.980 with two orders of
@@ -172,6 +177,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     attention kernel gives ONNX Runtime's numbers bit for bit, so an fp32 graph's are model.onnx's."""
     import onnx
 
+    from runtime.backend import with_kv_dtype
     from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
@@ -252,15 +258,40 @@ def kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    onnx.save(proto, str(folder / MODEL_FILE))
     interface = graph.interface
     if attentions and not any(n.op_type == "GroupQueryAttention" and n.domain != DOMAIN for n in proto.graph.node):
         # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
         interface = {**interface, "prefill": "batched"}
+        if kv_cache == "float16" and _half_cache(proto, attentions):
+            interface = with_kv_dtype(interface, "float16")
+    onnx.save(proto, str(folder / MODEL_FILE))
     built = saved_graph(folder, interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
         len(eligible) + len(attentions) + len(swiglus)
+
+
+def _half_cache(proto: Any, attentions: list[Any]) -> bool:
+    """Each of Kiln's attentions as ai.kiln::GroupQueryAttentionFp16Cache and its past and present (the
+    graph's inputs and outputs) fp16; False, the graph unchanged, where a cache is not the graph's own
+    input or output or another node reads it (a Shape aside: it reads no numbers)."""
+    import onnx
+
+    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP
+
+    caches = {name for node in attentions for name in [*node.input[3:5], *node.output[1:3]] if name}
+    ends = {value.name: value for value in [*proto.graph.input, *proto.graph.output]}
+    ours = {id(node) for node in attentions}
+    if not caches <= set(ends) or any(id(node) not in ours and node.op_type != "Shape" and caches & set(node.input)
+                                      for node in proto.graph.node):
+        return False
+    for name in caches:
+        ends[name].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+    for value in [v for v in proto.graph.value_info if v.name in caches]:
+        proto.graph.value_info.remove(value)
+    for node in attentions:
+        node.op_type = ATTENTION_FP16_CACHE_OP
+    return True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -434,8 +434,11 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             optimized["rules"][rotary_in_attention.NAME] = folded
             log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
                      f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
-    kernels, kernels_why = _kernel_graph(graph, work / "kernels") if variant.target == "onnxruntime" \
-        else (None, "not an onnxruntime variant")
+    kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache) \
+        if variant.target == "onnxruntime" else (None, "not an onnxruntime variant")
+    if kernels is not None and variant.kv_cache == "float16" and kernels.interface["inputs"][3]["dtype"] != "float16":
+        log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's kernel's, "
+                 "or another node reads the cache); the kernels' graph keeps an fp32 cache")
     if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
 
@@ -487,6 +490,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         kernel_summary["kernel_model"] = f"variants/{variant.name}/{KERNEL_MODEL_FILE}"
         if kernels.interface.get("prefill") == "batched":
             kernel_summary["kernel_prefill"] = "batched"
+        if kernels.interface["inputs"][3]["dtype"] != graph.interface["inputs"][3]["dtype"]:
+            kernel_summary["kernel_kv_cache"] = kernels.interface["inputs"][3]["dtype"]
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
@@ -499,8 +504,9 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
         with log.spinner("measuring memory in a fresh process"):
             # Of the graph a CPU host runs: the kernels' where it has them (their packed weights added).
-            served = KERNEL_MODEL_FILE if kernel_summary else graph.files[0]
-            summary["memory"] = measure_in_subprocess(folder / served, graph.interface, recipe.export.max_context)
+            served, interface = (KERNEL_MODEL_FILE, kernels.interface) if kernel_summary else \
+                (graph.files[0], graph.interface)
+            summary["memory"] = measure_in_subprocess(folder / served, interface, recipe.export.max_context)
         memory = summary["memory"]
         log.note(f"memory: weights {memory['weights_bytes'] / 2**20:.0f} MiB resident, baseline "
                  f"{memory['baseline_bytes'] / 2**20:.0f} MiB, prefill activations "
@@ -513,10 +519,10 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     return {**entry, **summary, "status": "built"}
 
 
-def _kernel_graph(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact | None, int | str]:
+def _kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str) -> tuple[OnnxArtifact | None, int | str]:
     """kernel_graph, where a failure costs the variant only the kernels' graph (and is said why)."""
     try:
-        return kernel_graph(graph, folder)
+        return kernel_graph(graph, folder, kv_cache)
     except Exception as error:  # noqa: BLE001 - an optional second graph: the variant ships without it
         shutil.rmtree(folder, ignore_errors=True)
         return None, f"the graph for them could not be written: {type(error).__name__}: {error}"

@@ -198,6 +198,11 @@ class Variant(_Strict):
     engine: EngineSpec | None = None
     # Overrides validate.gates for this variant (a quantized variant may get looser ones).
     gates: Gates | None = None
+    # The KV cache's type in the graph for Kiln's CPU kernels (runtime/kernels/attention.c), where every
+    # attention is the kernel's: float16 halves the cache's memory and what a decode step reads of it, for
+    # numbers rounded to fp16 once as they are stored (measured against eager under the variant's gates).
+    # model.onnx, which any ONNX Runtime opens, keeps an fp32 cache.
+    kv_cache: Literal["float32", "float16"] = "float32"
 
     @model_validator(mode="after")
     def _fits_target(self) -> Variant:
@@ -205,6 +210,9 @@ class Variant(_Strict):
             raise ValueError("profiles: only tensorrt variants take optimization profiles")
         if self.engine is not None and self.target != "tensorrt":
             raise ValueError("engine: only tensorrt variants build engines")
+        if self.kv_cache != "float32" and (self.target != "onnxruntime" or not self.fuse):
+            raise ValueError("kv_cache: float16 is for onnxruntime variants with fuse on (the cache of Kiln's CPU "
+                             "kernels' attention); leave it out here")
         build = (self.precision, self.quantize.mode if self.quantize else None)
         if build not in BUILDS_BY_TARGET[self.target]:
             allowed = ", ".join(f"{p}" + (f" + {m}" if m else "") for p, m in sorted(

@@ -93,14 +93,38 @@ def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | Non
         from .tensorrt_backend import TensorRTBackend
 
         return TensorRTBackend(folder, entry, verified)
-    if "kernel_model" in entry and (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]:
-        from . import cpu_kernels
-
-        library, _ = cpu_kernels.library()
-        if library is not None:
-            interface = {**entry["interface"], "prefill": entry.get("kernel_prefill", "rows")}
-            return OnnxRuntimeBackend(folder / entry["kernel_model"], interface, providers, threads, library)
+    library = kernel_library(entry, providers)
+    if library is not None:
+        return OnnxRuntimeBackend(folder / entry["kernel_model"], kernel_interface(entry), providers, threads, library)
     return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
+
+
+def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) -> Path | None:
+    """Kiln's CPU kernel library where this host runs the variant's graph for it, else None."""
+    if "kernel_model" not in entry or (providers or ["CPUExecutionProvider"]) != ["CPUExecutionProvider"]:
+        return None
+    from . import cpu_kernels
+
+    return cpu_kernels.library()[0]
+
+
+def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
+    """The interface of the graph open_backend runs for the entry on this host (the memory plan's too)."""
+    return kernel_interface(entry) if kernel_library(entry, providers) is not None else entry["interface"]
+
+
+def kernel_interface(entry: dict[str, Any]) -> dict[str, Any]:
+    """The interface of a variant's graph for Kiln's CPU kernels: the variant's, with how it prefills
+    (`kernel_prefill`) and its KV cache's type (`kernel_kv_cache`, fp32 where absent)."""
+    interface = {**entry["interface"], "prefill": entry.get("kernel_prefill", "rows")}
+    return with_kv_dtype(interface, entry["kernel_kv_cache"]) if "kernel_kv_cache" in entry else interface
+
+
+def with_kv_dtype(interface: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """The interface with its past and present KV entries of type `dtype`."""
+    inputs, outputs = interface["inputs"], interface["outputs"]
+    return {**interface, "inputs": [*inputs[:3], *({**entry, "dtype": dtype} for entry in inputs[3:])],
+            "outputs": [outputs[0], *({**entry, "dtype": dtype} for entry in outputs[1:])]}
 
 
 def expand(names: list[dict[str, Any]], layers: int) -> list[str]:

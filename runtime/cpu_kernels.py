@@ -13,7 +13,9 @@ KERNEL_MODEL_FILE:
 - each GroupQueryAttention as ai.kiln::GroupQueryAttention (same inputs and attributes): bit for bit
   what ONNX Runtime 1.32's CPU kernel computes (the same roundings in the same order, MLAS's exponential
   included), one work item a (row, kv head) whose query heads share each block of keys, the new keys
-  rotated straight into the cache;
+  rotated straight into the cache; with the recipe's `kv_cache: float16`, where every attention is the
+  kernel's, ai.kiln::GroupQueryAttentionFp16Cache over fp16 past and present (the manifest's
+  `kernel_kv_cache`), the same sums over the values the cache holds;
 - after an fp32 MatMul of a SwiGLU's packed gate and up projections, its Split, Sigmoid and two Muls as
   one ai.kiln::SwiGLU, bit for bit the same numbers in one pass (an fp32 variant's MLP, or a layer a
   quantized variant kept in fp32).
@@ -50,9 +52,10 @@ DOMAIN = "ai.kiln"
 INT8_BLOCKS_OP = "MatMulInt8Blocks"
 INT4_BLOCKS_OP = "MatMulInt4Blocks"
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
+ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
-LIBRARY_VERSION = 3  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 4  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 
 
 @functools.cache

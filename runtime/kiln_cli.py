@@ -261,7 +261,9 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
     kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
                                          (entry.get("quantize") or {}).get("mode")) if k)
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
-    return (title, entry["interface"], entry.get("memory"), weights, opened.manifest["model"]["max_context"],
+    from .backend import served_interface
+
+    return (title, served_interface(entry), entry.get("memory"), weights, opened.manifest["model"]["max_context"],
             entry.get("target"))
 
 
@@ -332,7 +334,8 @@ def _describe_variant(artifact, entry: dict) -> str:
                      f"perplexity {measured['perplexity_change']:+.2%} vs eager; "
                      + ("this host runs it" if kernels else f"this host runs the graph above ({why})")
                      + ("; prompts of different lengths prefill in one step"
-                        if kernels and entry.get("kernel_prefill") == "batched" else ""))
+                        if kernels and entry.get("kernel_prefill") == "batched" else "")
+                     + (f"; its KV cache {entry['kernel_kv_cache']}" if "kernel_kv_cache" in entry else ""))
     fused = ", ".join(f"{k} {v}" for k, v in (entry.get("fusions") or {}).items() if v) or "none"
     lines.append(f"  fusions    {fused}")
     lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"

@@ -133,8 +133,11 @@ def _largest(fits: Any, high: int) -> int:
 
 def variant_plan(manifest: dict[str, Any], entry: dict[str, Any], batch: int, context: int | None = None,
                  prefill_tokens: int = 512) -> Plan:
-    """plan() for a variant of an artifact: its measured memory, or its files' size where it has none."""
-    return plan(entry["interface"], entry.get("memory"), batch, context or manifest["model"]["max_context"],
+    """plan() for a variant of an artifact: its measured memory, or its files' size where it has none; its
+    KV cache as the graph this host runs holds it (Kiln's CPU kernels' may be fp16)."""
+    from .backend import served_interface
+
+    return plan(served_interface(entry), entry.get("memory"), batch, context or manifest["model"]["max_context"],
                 prefill_tokens, variant_file_bytes(manifest, entry))
 
 
@@ -151,11 +154,13 @@ def require_fit(manifest: dict[str, Any], entry: dict[str, Any], max_batch_size:
     variants whose memory is a GPU's (engines, CUDA providers): those are not planned here."""
     if "engine" in entry or (providers and providers[0] != "CPUExecutionProvider"):
         return None
+    from .backend import served_interface
+
     planned = variant_plan(manifest, entry, max_batch_size, prefill_tokens=prefill_tokens)
     budget = free_host_memory() + planned.baseline_bytes  # this process already holds its baseline
     if planned.bound_bytes > budget:
-        most = largest_batch(entry["interface"], entry.get("memory"), budget, planned.context, prefill_tokens,
-                             planned.weights_bytes)
+        most = largest_batch(served_interface(entry, providers), entry.get("memory"), budget, planned.context,
+                             prefill_tokens, planned.weights_bytes)
         raise IncompatibleArtifact(f"memory: {describe(planned, budget)}; at most {most} sequences at context "
                                    f"{planned.context} fit: lower the batch size (kiln plan shows the numbers)")
     return planned

@@ -88,6 +88,18 @@ BAD = {
         ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, profiles: {}}"),
         "variants.0: profiles: only tensorrt variants take optimization profiles",
     ),
+    "fp16 kv cache on tensorrt": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, kv_cache: float16}"),
+        "variants.0: kv_cache: float16 is for onnxruntime variants with fuse on",
+    ),
+    "fp16 kv cache unfused": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, fuse: false, kv_cache: float16}"),
+        "variants.0: kv_cache: float16 is for onnxruntime variants with fuse on",
+    ),
+    "kv cache of another type": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, kv_cache: int8}"),
+        "kv_cache",
+    ),
     "int8-dynamic on tensorrt": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, quantize: {mode: int8-dynamic}}"),
         "variants.0: fp32 + int8-dynamic cannot be built for tensorrt; allowed: fp16, fp32, fp32 + int8-static",

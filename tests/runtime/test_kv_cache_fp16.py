@@ -1,0 +1,76 @@
+"""A variant with `kv_cache: float16`: compiled through the real pipeline on a tiny Llama, its kernels'
+graph keeps the KV cache in fp16 (ai.kiln::GroupQueryAttentionFp16Cache), the runtime allocates and moves
+fp16 caches, a request's tokens do not depend on what shares its batch, and the memory plan counts half
+the cache. Skipped where this machine cannot run Kiln's CPU kernels (the variant then runs model.onnx,
+whose cache stays fp32)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from runtime import cpu_kernels
+from runtime.artifact import Artifact
+from runtime.generator import Generator
+from runtime.memory import variant_plan
+from runtime.sampling import SamplingParams
+from tests.conftest import FP32_VARIANT, write_recipe
+from tests.runtime.test_engine import _requests, _run_staggered
+
+LIBRARY, WHY_NOT = cpu_kernels.library()
+pytestmark = pytest.mark.skipif(LIBRARY is None, reason=f"Kiln's CPU kernels: {WHY_NOT}")
+HALF = "cpu-fp32-kv16"
+
+
+@pytest.fixture(scope="module")
+def artifact(tiny_checkpoints, tmp_path_factory):
+    from compiler.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("kv16")
+    recipe = write_recipe(root / "recipe.yaml", tiny_checkpoints["llama"], name="tiny-kv16",
+                          variants=FP32_VARIANT + f"  - {{name: {HALF}, target: onnxruntime, kv_cache: float16}}\n")
+    return compile_recipe(recipe, root / "out")
+
+
+def test_the_kernels_graph_holds_an_fp16_cache_and_model_onnx_an_fp32_one(artifact):
+    opened = Artifact.open(artifact)
+    entry, fp32 = opened.variant(HALF), opened.variant("cpu-fp32")
+    assert entry["kernel_kv_cache"] == "float16" and "kernel_kv_cache" not in fp32
+    assert entry["kernel_accuracy"]["top1_agreement"] >= 0.98  # measured against eager, under the gates
+    kernels = onnx.load(str(artifact / entry["kernel_model"]), load_external_data=False)
+    attentions = [n for n in kernels.graph.node if n.domain == cpu_kernels.DOMAIN and "Attention" in n.op_type]
+    assert attentions and {n.op_type for n in attentions} == {cpu_kernels.ATTENTION_FP16_CACHE_OP}
+    caches = [v for v in [*kernels.graph.input, *kernels.graph.output] if "key" in v.name or "value" in v.name]
+    assert caches and {v.type.tensor_type.elem_type for v in caches} == {onnx.TensorProto.FLOAT16}
+    standard = onnx.load(str(artifact / entry["model"]), load_external_data=False)
+    assert {v.type.tensor_type.elem_type for v in standard.graph.input if "key" in v.name} == {onnx.TensorProto.FLOAT}
+    # The plan counts the cache the host holds: half the bytes a token.
+    assert variant_plan(opened.manifest, entry, 8).kv_bytes_per_token * 2 == \
+        variant_plan(opened.manifest, fp32, 8).kv_bytes_per_token
+
+
+def test_a_requests_tokens_do_not_depend_on_its_batch(artifact):
+    generator = Generator.load(artifact, HALF)
+    assert generator.backend.kv_dtype == np.float16
+    prompts, params = _requests(12, seed=3)
+    alone = [generator.generate([p], q)[0].token_ids for p, q in zip(prompts, params, strict=True)]
+    assert [r.token_ids for r in generator.generate(prompts, params)] == alone  # one burst, prefilled in place
+    engine = generator.engine  # a server's policy, prompts in pieces, rows joining and leaving: caches moved
+    engine.max_prefill_tokens, engine.max_batch_size, engine.prefill_first = 16, 5, False
+    arrivals = sorted(np.random.default_rng(4).integers(0, 30, len(prompts)))
+    results, _ = _run_staggered(engine, prompts, params, arrivals)
+    assert [results[i].token_ids for i in range(len(prompts))] == alone
+
+
+def test_beams_and_forks_copy_fp16_rows(artifact):
+    generator = Generator.load(artifact, HALF)
+    prompt = [3, 17, 29, 41, 5]
+    beams = SamplingParams(max_new_tokens=6, num_beams=3, ignore_eos=True)
+    alone = generator.generate([prompt], beams)[0]
+    beside = generator.generate([prompt, [9, 8, 7]], beams)[0]  # beams gather rows of the fp16 cache
+    assert beside.token_ids == alone.token_ids
+    forked = generator.generate([prompt], SamplingParams(max_new_tokens=5, n=3, seed=7, temperature=0.8))[0]
+    again = generator.generate([prompt], SamplingParams(max_new_tokens=5, n=3, seed=7, temperature=0.8))[0]
+    assert [forked.token_ids] + [a.token_ids for a in forked.alternatives] == \
+        [again.token_ids] + [a.token_ids for a in again.alternatives]
