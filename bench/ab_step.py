@@ -119,11 +119,13 @@ def load(spec: str, threads: int, verify: bool = False):
         artifact = Artifact.open(folder, verify=verify)
         entry = artifact.variant(variant)
         if graph:  # one graph file of the variant's, e.g. model.onnx where the host would run model_kernels.onnx
-            from runtime.backend import OnnxRuntimeBackend
+            from runtime.backend import OnnxRuntimeBackend, kernel_interface
             from runtime.cpu_kernels import library_for
 
             path = artifact.folder / Path(entry["model"]).parent / graph
-            return OnnxRuntimeBackend(path, entry["interface"], threads=threads, kernels=library_for(path))
+            kernels = library_for(path)  # the kernels' graph takes their interface (its KV cache may be fp16)
+            return OnnxRuntimeBackend(path, kernel_interface(entry) if kernels else entry["interface"],
+                                      threads=threads, kernels=kernels)
         return open_backend(artifact.folder, entry, threads=threads)
     except KilnError as exc:
         raise SystemExit(f"error: {exc}") from None

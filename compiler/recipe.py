@@ -210,9 +210,9 @@ class Variant(_Strict):
             raise ValueError("profiles: only tensorrt variants take optimization profiles")
         if self.engine is not None and self.target != "tensorrt":
             raise ValueError("engine: only tensorrt variants build engines")
-        if self.kv_cache != "float32" and (self.target != "onnxruntime" or not self.fuse):
-            raise ValueError("kv_cache: float16 is for onnxruntime variants with fuse on (the cache of Kiln's CPU "
-                             "kernels' attention); leave it out here")
+        if self.kv_cache != "float32" and (self.target != "onnxruntime" or not self.fuse or self.precision != "fp32"):
+            raise ValueError("kv_cache: float16 is for fp32 onnxruntime variants with fuse on, quantized or not (the "
+                             "cache of Kiln's CPU kernels' attention); leave it out here")
         build = (self.precision, self.quantize.mode if self.quantize else None)
         if build not in BUILDS_BY_TARGET[self.target]:
             allowed = ", ".join(f"{p}" + (f" + {m}" if m else "") for p, m in sorted(

@@ -217,7 +217,7 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
         if memory_text and device:
             raise KilnError("give --memory or --device, not both")
         title, interface, measured, weights, max_context, target = _plan_source(artifact, variant, config_file,
-                                                                                dtype)
+                                                                                dtype, device)
         weights_source = "computed from the config's shapes" if config_file else "not measured: the files' size"
         if memory_text:
             budget, source = planner.parse_size(memory_text), "--memory"
@@ -235,9 +235,11 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
     sys.exit(0 if facts["fits"] else 1)
 
 
-def _plan_source(artifact: Path | None, variant: str | None, config_file: Path | None, dtype: str) -> tuple:
+def _plan_source(artifact: Path | None, variant: str | None, config_file: Path | None, dtype: str,
+                 device: str | None = None) -> tuple:
     """(title, interface, measured memory or None, weights bytes, max context, target) of an artifact's
-    variant or of a bare config.json."""
+    variant or of a bare config.json; the interface of the graph this host runs it with (on `device`, a
+    GPU: the variant's own, whose KV cache may be wider than the CPU kernels' graph's)."""
     import json
 
     from .artifact import Artifact
@@ -263,8 +265,9 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
     from .backend import served_interface
 
-    return (title, served_interface(entry), entry.get("memory"), weights, opened.manifest["model"]["max_context"],
-            entry.get("target"))
+    providers = ["CUDAExecutionProvider"] if device else None
+    return (title, served_interface(entry, providers), entry.get("memory"), weights,
+            opened.manifest["model"]["max_context"], entry.get("target"))
 
 
 def _artifact_variant(spec: str) -> tuple[Path, str | None]:

@@ -132,13 +132,13 @@ def _largest(fits: Any, high: int) -> int:
 
 
 def variant_plan(manifest: dict[str, Any], entry: dict[str, Any], batch: int, context: int | None = None,
-                 prefill_tokens: int = 512) -> Plan:
+                 prefill_tokens: int = 512, providers: list[str] | None = None) -> Plan:
     """plan() for a variant of an artifact: its measured memory, or its files' size where it has none; its
     KV cache as the graph this host runs holds it (Kiln's CPU kernels' may be fp16)."""
     from .backend import served_interface
 
-    return plan(served_interface(entry), entry.get("memory"), batch, context or manifest["model"]["max_context"],
-                prefill_tokens, variant_file_bytes(manifest, entry))
+    return plan(served_interface(entry, providers), entry.get("memory"), batch,
+                context or manifest["model"]["max_context"], prefill_tokens, variant_file_bytes(manifest, entry))
 
 
 def variant_file_bytes(manifest: dict[str, Any], entry: dict[str, Any]) -> int:
@@ -156,7 +156,7 @@ def require_fit(manifest: dict[str, Any], entry: dict[str, Any], max_batch_size:
         return None
     from .backend import served_interface
 
-    planned = variant_plan(manifest, entry, max_batch_size, prefill_tokens=prefill_tokens)
+    planned = variant_plan(manifest, entry, max_batch_size, prefill_tokens=prefill_tokens, providers=providers)
     budget = free_host_memory() + planned.baseline_bytes  # this process already holds its baseline
     if planned.bound_bytes > budget:
         most = largest_batch(served_interface(entry, providers), entry.get("memory"), budget, planned.context,

@@ -148,6 +148,14 @@ static inline __attribute__((always_inline)) __m512 load_cached(const void* cach
                 : _mm512_loadu_ps((const float*)cache + i);
 }
 
+/* 16 numbers as fp16 for an fp16 cache: rounded to nearest even, past fp16's largest finite number held
+   at it (an inf would turn a masked slot's probability of 0 into NaN); a NaN stays NaN. */
+static inline __m256i to_half(__m512 x) {
+    const __m512 largest = _mm512_set1_ps(65504.0f);
+    x = _mm512_max_ps(_mm512_sub_ps(_mm512_setzero_ps(), largest), _mm512_min_ps(largest, x));
+    return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+}
+
 /* The cache's element i as an address, for an element size of 2 (half) or 4 bytes. */
 static inline const void* cached_at(const void* cache, int64_t i, int half) {
     return (const char*)cache + i * (half ? 2 : 4);
@@ -529,32 +537,35 @@ static void run_shard(void* data, size_t shard) {
 
 /* -- the op ---------------------------------------------------------------------------------------- */
 
+static const char* op_name(const OrtCustomOp* op);
+
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
     (void)api_;
     int64_t heads = kiln_attribute_int(info, "num_heads", 0), kv_heads = kiln_attribute_int(info, "kv_num_heads", 0);
     if (heads <= 0 || kv_heads <= 0 || heads % kv_heads || heads / kv_heads > 64)
-        return kiln_op_error(ORT_INVALID_ARGUMENT, NAME,
+        return kiln_op_error(ORT_INVALID_ARGUMENT, op_name(op),
                              "num_heads and kv_num_heads must be positive, num_heads a multiple of kv_num_heads "
                              "(at most 64 query heads a kv head)");
     if (kiln_attribute_float(info, "softcap", 0.0f) != 0.0f || kiln_attribute_int(info, "local_window_size", -1) != -1 ||
         kiln_attribute_int(info, "smooth_softmax", 0) != 0)
-        return kiln_op_error(ORT_INVALID_ARGUMENT, NAME, "softcap, local_window_size and smooth_softmax are not taken "
+        return kiln_op_error(ORT_INVALID_ARGUMENT, op_name(op), "softcap, local_window_size and smooth_softmax are not taken "
                              "(leave such nodes to com.microsoft::GroupQueryAttention)");
     int64_t rotary = kiln_attribute_int(info, "do_rotary", 0), interleaved = kiln_attribute_int(info, "rotary_interleaved", 0);
     if ((rotary != 0 && rotary != 1) || (interleaved != 0 && interleaved != 1))
-        return kiln_op_error(ORT_INVALID_ARGUMENT, NAME, "do_rotary and rotary_interleaved must be 0 or 1");
+        return kiln_op_error(ORT_INVALID_ARGUMENT, op_name(op), "do_rotary and rotary_interleaved must be 0 or 1");
     Kernel* kernel = calloc(1, sizeof(Kernel));
-    if (!kernel) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
+    if (!kernel) return kiln_op_error(ORT_FAIL, op_name(op), "out of memory");
     *kernel = (Kernel){heads, kv_heads, kiln_attribute_float(info, "scale", 0.0f), (int)rotary, (int)interleaved,
                        sysconf(_SC_LEVEL2_CACHE_SIZE), op == &kiln_attention_fp16_cache_op};
     *out = kernel;
     return NULL;
 }
 
-#define INVALID(what) kiln_op_error(ORT_INVALID_ARGUMENT, kernel->half_cache ? HALF_NAME : NAME, what)
+#define INVALID(what) kiln_op_error(ORT_INVALID_ARGUMENT, name, what)
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
+    const char* name = kernel->half_cache ? HALF_NAME : NAME;
     const OrtValue* in[INPUT_COUNT];
     int64_t dims[INPUT_COUNT][4];
     size_t rank[INPUT_COUNT];
@@ -562,7 +573,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     for (size_t i = 0; i < INPUT_COUNT; i++) {
         rank[i] = 0;
         if ((status = kiln_input(context, i, &in[i]))) return status;
-        if (in[i] && (status = kiln_dims(in[i], dims[i], &rank[i], 4, NAME))) return status;
+        if (in[i] && (status = kiln_dims(in[i], dims[i], &rank[i], 4, name))) return status;
     }
     if (in[POSITION_IDS]) return INVALID("position_ids are not taken: it rotates each token by its slot");
     if (rank[QUERY] != 3) return INVALID("query must be [batch, seq, hidden]");
@@ -586,7 +597,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
         return INVALID("total_sequence_length must be one number");
     const int32_t* seqlens = kiln_data_of(in[SEQLENS_K]);
     const int32_t* total_data = kiln_data_of(in[TOTAL_LENGTH]);
-    if ((batch && !seqlens) || !total_data) return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+    if ((batch && !seqlens) || !total_data) return kiln_op_error(ORT_FAIL, name, "no tensor data");
     int64_t total = *total_data, past_slots = dims[PAST_KEY][2];
     int64_t slots = total > past_slots ? total : past_slots;
     int first_prompt = seq == total;
@@ -626,7 +637,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     void* values = kiln_data_of(present_value);
     float* out = kiln_data_of(output);
     if (!query || !keys || !values || !out || (past_slots && (!past_key || !past_value)))
-        return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+        return kiln_op_error(ORT_FAIL, name, "no tensor data");
 
     Job job = {batch, seq, heads, kv_heads, heads / kv_heads, d,
                query, packed ? query + heads * d : kiln_data_of(in[KEY]),
@@ -652,14 +663,14 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
         ? (job.padded_keys < TRANSPOSED_KEYS ? job.padded_keys : TRANSPOSED_KEYS) : 0;
     job.scratch_per_item = job.group * (job.padded_keys + 2 * d) + d * LANES + job.transposed_keys * d;
     if (!job.k || !job.v || (kernel->rotary && (!job.cos || !job.sin)) || (in[ATTENTION_BIAS] && !job.bias))
-        return kiln_op_error(ORT_FAIL, NAME, "no tensor data");
+        return kiln_op_error(ORT_FAIL, name, "no tensor data");
     /* Shards of work items, each with one scratch area: enough to balance the threads, and the scratch
        grows with the longest row, not with the prompt's positions. Allocated before the cache is touched,
        so a failure leaves the cache as it was. */
     job.items = batch * kv_heads * job.chunks;
     job.shards = job.items < MAX_SHARDS ? job.items : MAX_SHARDS;
     job.scratch = malloc(sizeof(float) * (size_t)job.shards * (size_t)job.scratch_per_item);
-    if (!job.scratch) return kiln_op_error(ORT_FAIL, NAME, "out of memory");
+    if (!job.scratch) return kiln_op_error(ORT_FAIL, name, "out of memory");
 
     /* The cache first: a copy of past where present is not its buffer (what ONNX Runtime's op writes:
        zeros, then each row's past slots), then every row's new keys, rotated, and values (an fp16 cache
@@ -690,10 +701,8 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                 }
                 rotate(&job, job.k + from, rotated, slot);
                 for (int64_t c = 0; c < d; c += LANES) {
-                    _mm256_storeu_si256((__m256i*)((uint16_t*)keys + at + c),
-                                        _mm512_cvtps_ph(_mm512_loadu_ps(rotated + c), _MM_FROUND_TO_NEAREST_INT));
-                    _mm256_storeu_si256((__m256i*)((uint16_t*)values + at + c),
-                                        _mm512_cvtps_ph(_mm512_loadu_ps(job.v + from + c), _MM_FROUND_TO_NEAREST_INT));
+                    _mm256_storeu_si256((__m256i*)((uint16_t*)keys + at + c), to_half(_mm512_loadu_ps(rotated + c)));
+                    _mm256_storeu_si256((__m256i*)((uint16_t*)values + at + c), to_half(_mm512_loadu_ps(job.v + from + c)));
                 }
             }
 

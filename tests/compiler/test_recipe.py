@@ -90,11 +90,15 @@ BAD = {
     ),
     "fp16 kv cache on tensorrt": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, kv_cache: float16}"),
-        "variants.0: kv_cache: float16 is for onnxruntime variants with fuse on",
+        "variants.0: kv_cache: float16 is for fp32 onnxruntime variants with fuse on",
     ),
     "fp16 kv cache unfused": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, fuse: false, kv_cache: float16}"),
-        "variants.0: kv_cache: float16 is for onnxruntime variants with fuse on",
+        "variants.0: kv_cache: float16 is for fp32 onnxruntime variants with fuse on",
+    ),
+    "fp16 kv cache on an fp16 variant": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, precision: fp16, kv_cache: float16}"),
+        "variants.0: kv_cache: float16 is for fp32 onnxruntime variants with fuse on",
     ),
     "kv cache of another type": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, kv_cache: int8}"),

@@ -193,6 +193,18 @@ def test_an_fp16_cache_holds_rotated_keys_rounded_once(name):
     assert not np.array_equal(fp16[0], fp32[0])  # the rounded new keys do count
 
 
+def test_an_fp16_cache_holds_a_number_past_its_range_at_its_largest():
+    """A key or value past fp16's range is stored as fp16's largest number, not inf, which would make a
+    masked slot's probability of 0 times it NaN."""
+    feeds = inputs_for(np.random.default_rng(6), 9, 3, 64, 1, 1, 16, [5], False, rotary=False)
+    half = half_exact(feeds)[1]
+    half["query"][0, 0, 9 * 64] = 1e6  # kv head 0's new key, dimension 0
+    half["query"][0, 0, 12 * 64 + 1] = -1e6  # its new value, dimension 1
+    out = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64, rotary=False, half_cache=True), half, True)
+    assert out[1][0, 0, 4, 0] == 65504 and out[2][0, 0, 4, 1] == -65504
+    assert np.isfinite(out[0]).all()
+
+
 @pytest.mark.parametrize("half_cache", [False, True], ids=["fp32 cache", "fp16 cache"])
 def test_a_rows_numbers_do_not_depend_on_its_neighbours(half_cache):
     rng = np.random.default_rng(1)

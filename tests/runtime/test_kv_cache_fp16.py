@@ -45,9 +45,21 @@ def test_the_kernels_graph_holds_an_fp16_cache_and_model_onnx_an_fp32_one(artifa
     assert caches and {v.type.tensor_type.elem_type for v in caches} == {onnx.TensorProto.FLOAT16}
     standard = onnx.load(str(artifact / entry["model"]), load_external_data=False)
     assert {v.type.tensor_type.elem_type for v in standard.graph.input if "key" in v.name} == {onnx.TensorProto.FLOAT}
-    # The plan counts the cache the host holds: half the bytes a token.
+    # The plan counts the cache the host holds: half the bytes a token; on another provider, model.onnx's.
     assert variant_plan(opened.manifest, entry, 8).kv_bytes_per_token * 2 == \
-        variant_plan(opened.manifest, fp32, 8).kv_bytes_per_token
+        variant_plan(opened.manifest, fp32, 8).kv_bytes_per_token == \
+        variant_plan(opened.manifest, entry, 8, providers=["CUDAExecutionProvider"]).kv_bytes_per_token
+
+
+def test_bench_ab_step_runs_either_graph_of_the_variant(artifact):
+    from bench.ab_step import load
+
+    for graph, dtype in (("model_kernels.onnx", np.float16), ("model.onnx", np.float32)):
+        backend = load(f"{artifact}:{HALF}/{graph}", 1)
+        cache = backend.new_cache(2, 8)
+        assert cache[0].dtype == dtype
+        logits, _ = backend.run(np.array([[3], [7]]), np.ones((2, 1), np.int64), np.zeros((2, 1), np.int64), cache)
+        assert np.isfinite(logits).all()
 
 
 def test_a_requests_tokens_do_not_depend_on_its_batch(artifact):
