@@ -729,26 +729,11 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) {
     return i == QUERY || i == PAST_KEY || i == PAST_VALUE || i == SEQLENS_K || i == TOTAL_LENGTH ? REQUIRED : OPTIONAL;
 }
 
-OrtCustomOp kiln_attention_op = {
-    KILN_OP_COMMON,
-    .GetName = op_name,
-    .GetInputType = input_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputTypeCount = output_count,
-    .GetInputCharacteristic = input_characteristic,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
-
+/* Two tables, one op: the table a kernel is made from says which cache it reads (create_kernel), and
+   the names and types differ by it. */
+#define ATTENTION_TABLE KILN_OP_COMMON, .GetName = op_name, .GetInputType = input_type, .GetOutputType = output_type, \
+    .GetInputTypeCount = input_count, .GetOutputTypeCount = output_count,                                          \
+    .GetInputCharacteristic = input_characteristic, .CreateKernelV2 = create_kernel, .KernelComputeV2 = compute
+OrtCustomOp kiln_attention_op = {ATTENTION_TABLE};
 /* The same op over an fp16 KV cache: past and present fp16, the rest as above. */
-OrtCustomOp kiln_attention_fp16_cache_op = {
-    KILN_OP_COMMON,
-    .GetName = op_name,
-    .GetInputType = input_type,
-    .GetOutputType = output_type,
-    .GetInputTypeCount = input_count,
-    .GetOutputTypeCount = output_count,
-    .GetInputCharacteristic = input_characteristic,
-    .CreateKernelV2 = create_kernel,
-    .KernelComputeV2 = compute,
-};
+OrtCustomOp kiln_attention_fp16_cache_op = {ATTENTION_TABLE};
