@@ -265,8 +265,7 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
     from .backend import served_interface
 
-    providers = ["CUDAExecutionProvider"] if device else None
-    return (title, served_interface(entry, providers), entry.get("memory"), weights,
+    return (title, entry["interface"] if device else served_interface(entry), entry.get("memory"), weights,
             opened.manifest["model"]["max_context"], entry.get("target"))
 
 

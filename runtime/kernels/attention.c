@@ -156,9 +156,12 @@ static inline __m256i to_half(__m512 x) {
     return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* The cache's element i as an address, for an element size of 2 (half) or 4 bytes. */
+/* Bytes a KV cache's number takes: 2 in an fp16 cache (half), else 4. */
+static inline size_t cached_size(int half) { return half ? 2 : 4; }
+
+/* The cache's element i as an address. */
 static inline const void* cached_at(const void* cache, int64_t i, int half) {
-    return (const char*)cache + i * (half ? 2 : 4);
+    return (const char*)cache + i * (int64_t)cached_size(half);
 }
 
 /* r[j] <- r's column j: a 16 x 16 transpose in registers. */
@@ -675,7 +678,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     /* The cache first: a copy of past where present is not its buffer (what ONNX Runtime's op writes:
        zeros, then each row's past slots), then every row's new keys, rotated, and values (an fp16 cache
        gets them rounded to nearest even). */
-    size_t element = kernel->half_cache ? 2 : 4, head_bytes = element * (size_t)(slots * d);
+    size_t element = cached_size(kernel->half_cache), head_bytes = element * (size_t)(slots * d);
     for (int kind = 0; kind < 2; kind++) {
         char* cache = kind ? values : keys;
         const char* past = kind ? past_value : past_key;
