@@ -365,8 +365,8 @@ def failed_gates(metrics: dict[str, Any], gates: dict[str, float]) -> list[str]:
     return failures
 
 
-def text_rows(ids: list[int], max_context: int) -> list[list[int]]:
+def text_rows(ids: list[int], max_context: int, most: int | None = MAX_TEXT_TOKENS) -> list[list[int]]:
     """The held-out text as rows of TEXT_ROW_TOKENS tokens (fewer if the context is shorter), at most
-    MAX_TEXT_TOKENS in all; a last row of one token predicts nothing and is dropped."""
-    ids, width = ids[:MAX_TEXT_TOKENS], min(TEXT_ROW_TOKENS, max_context)
+    `most` in all (None: all of it); a last row of one token predicts nothing and is dropped."""
+    ids, width = ids[:most], min(TEXT_ROW_TOKENS, max_context)
     return [ids[i:i + width] for i in range(0, len(ids), width) if len(ids[i:]) > 1]

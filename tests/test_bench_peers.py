@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from bench.peers import HELDOUT, TEXT_ROW_TOKENS, accuracy, text_rows
+from bench.peers import HELDOUT, accuracy, text_rows
+from compiler.accuracy import TEXT_ROW_TOKENS
 
 ROOT = HELDOUT.parents[2]
 
