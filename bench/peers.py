@@ -6,9 +6,10 @@
 
 What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
 dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 models from that folder
-with its model builder, and Kiln's cpu-int4 variant and a cpu-int8 with every layer quantized
-(bench/smollm2-variants.yaml; int4's GPTQ twin is not run: SmolLM2's layer weights are on a Q4_1
-grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
+with its model builder, and Kiln's cpu-int4 variant (bf16 activations on the 4-bit kernel), its
+cpu-int4-int8 twin (int8 activation blocks, the row "Kiln cpu-int4, int8 activations") and a cpu-int8
+with every layer quantized (bench/smollm2-variants.yaml; int4's GPTQ twin is not run: SmolLM2's layer
+weights are on a Q4_1 grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
 (`exclude: auto`) come from --artifact, the main command's artifact. Each Kiln row runs the graph this
 host would run: Kiln's CPU kernels where the variant ships their graph and the CPU has AVX-512 VNNI
 (runtime/cpu_kernels.py; for fp32 its attention kernel alone); the rows "Kiln cpu-fp32 on MLAS", "Kiln
@@ -142,15 +143,17 @@ def genai_model(work: Path, hf: Path, precision: str) -> Path:
 
 
 def kiln_quantized(work: Path) -> Path:
-    """Kiln's cpu-int4, and cpu-int8 with every layer quantized and smoothed as the main recipe's (which
-    keeps the groups `exclude: auto` chose in fp32), from bench/smollm2-variants.yaml."""
+    """Kiln's cpu-int4 (bf16 activations on the 4-bit kernel) and cpu-int4-int8 (int8 ones), and cpu-int8
+    with every layer quantized and smoothed as the main recipe's (which keeps the groups `exclude: auto`
+    chose in fp32), from bench/smollm2-variants.yaml."""
     out = work / "kiln-quantized"
     if (out / "manifest.json").exists():
         return out
-    print("compiling Kiln's cpu-int4 and all-quantized cpu-int8 variants", file=sys.stderr)
+    print("compiling Kiln's cpu-int4 (two kinds of activations) and all-quantized cpu-int8 variants", file=sys.stderr)
     subprocess.run([sys.executable, "-c", "from compiler.cli import main; main()",
-                    str(ROOT / "bench" / "smollm2-variants.yaml"), "--variant", "cpu-int4", "--variant", "cpu-int8",
-                    "--out", str(out), "--keep-failed"], check=True, cwd=ROOT)
+                    str(ROOT / "bench" / "smollm2-variants.yaml"), "--variant", "cpu-int4",
+                    "--variant", "cpu-int4-int8", "--variant", "cpu-int8", "--out", str(out), "--keep-failed"],
+                   check=True, cwd=ROOT)
     return out
 
 
@@ -362,6 +365,7 @@ def load_backends(args, round_number: int | None = None) -> list:
               lambda: Kiln(artifact, "cpu-int8", threads, label="Kiln cpu-int8 on MLAS", mlas=True),
               lambda: Kiln(quantized, "cpu-int8", threads, label="Kiln cpu-int8, all quantized"),
               lambda: Kiln(quantized, "cpu-int4", threads),
+              lambda: Kiln(quantized, "cpu-int4-int8", threads, label="Kiln cpu-int4, int8 activations"),
               lambda: Kiln(quantized, "cpu-int4", threads, label="Kiln cpu-int4 on MLAS", mlas=True)]
     if args.before:
         before = Path(args.before)

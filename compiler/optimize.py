@@ -148,7 +148,8 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
     return dataclasses.replace(folded, files=[*folded.files, GENAI_MODEL_FILE]), count
 
 
-def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -> tuple[OnnxArtifact | None, int | str]:
+def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
+                 activations: str = "int8") -> tuple[OnnxArtifact | None, int | str]:
     """The graph for Kiln's CPU kernels (runtime/cpu_kernels.py) in `folder`: `graph` with each
     MatMulNBits in blocks of 32 with int8 activations as ai.kiln::MatMulInt8Blocks (8 bits) or
     MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE, each
@@ -178,7 +179,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -
     import onnx
 
     from runtime.backend import with_kv_dtype
-    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP
+    from runtime.cpu_kernels import ATTENTION_OP, BF16_ACTIVATIONS, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP, bf16_layout
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
@@ -225,6 +226,9 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -
                 columns = np.concatenate([order, order + half], axis=1).reshape(-1)
                 weights = [None if w is None else w.reshape(made.n, -1)[columns].reshape(w.shape) for w in weights]
             packed = made.pack(*weights)
+            bf16 = made.bits == 4 and activations == "bf16"
+            if bf16:
+                packed = bf16_layout(packed, made.k)
             data.write(b"\0" * (-data.tell() % 4096))  # page-aligned: ONNX Runtime can map it in place
             tensor = onnx.TensorProto(name=f"int{made.bits}_blocks.{number}.{node.name}",
                                       data_type=onnx.TensorProto.UINT8, dims=[packed.size],
@@ -238,6 +242,8 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -
             node.input[:] = [made.activation, tensor.name]
             del node.attribute[:]
             node.attribute.extend([onnx.helper.make_attribute("K", made.k), onnx.helper.make_attribute("N", made.n)])
+            if bf16:
+                node.attribute.append(onnx.helper.make_attribute("bf16", 1))
             if node.name in gated:
                 output, replaced_nodes = gated[node.name]
                 node.output[0] = output
@@ -252,6 +258,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -
         if not dead:
             break
         for node in dead:
+            replaced.update(name for name in node.input if name in initializers)  # a Pad's pads
             proto.graph.node.remove(node)
     used = _names_read(proto.graph) | {output.name for output in proto.graph.output}
     kept = [i for i in proto.graph.initializer if i.name in used or i.name not in replaced]
@@ -259,6 +266,8 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32") -
     proto.graph.initializer.extend(kept)
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     interface = graph.interface
+    if activations == "bf16" and any(made.bits == 4 for _, made in eligible):
+        interface = {**interface, "activations": BF16_ACTIVATIONS}
     if attentions and not any(n.op_type == "GroupQueryAttention" and n.domain != DOMAIN for n in proto.graph.node):
         # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
@@ -324,23 +333,28 @@ def _kernel_node(node: Any, initializers: dict[str, Any], producers: dict[str, A
         return KernelNode(INT8_BLOCKS_OP, 8, node.input[0], k, n, pack_int8_blocks)
     if bits != 4:
         return None
-    if k % 32 == 0:
-        return KernelNode(INT4_BLOCKS_OP, 4, node.input[0], k, n,
-                          lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, 0))
+    plain = KernelNode(INT4_BLOCKS_OP, 4, node.input[0], k, n,
+                       lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, 0)) \
+        if k % 32 == 0 else None
     joined = producers.get(node.input[0])
     joined_axis = {a.name: a.i for a in joined.attribute}.get("axis") if joined is not None else None
-    pooled = producers.get(joined.input[1]) if joined is not None and joined.op_type == "Concat" \
-        and len(joined.input) == 2 and joined_axis in (-1, 2) else None  # activations are [batch, seq, K]
+    padded = producers.get(joined.input[1]) if joined is not None and joined.op_type == "Concat" \
+        and len(joined.input) == 3 and joined.input[1] == joined.input[2] and joined_axis in (-1, 2) \
+        else None  # activations are [batch, seq, K]
+    pooled = producers.get(padded.input[0]) if padded is not None and padded.op_type == "Pad" else None
     if pooled is None or pooled.op_type != "AveragePool" or pooled.input[0] != joined.input[0]:
-        return None
+        return plain
     pool = {a.name: onnx.helper.get_attribute_value(a) for a in pooled.attribute}
-    width = k * 32 // 33
-    if (pool.get("kernel_shape") != [32] or pool.get("strides") != [32] or any(pool.get("pads", []))
-            or width % 32 or width + width // 32 != k):
-        return None
+    parts = next((e for e in range(1, k // 64 + 1) if -(-(k - 64 * e) // 1024) == e), 0)  # blocks of means, each part
+    width = k - 64 * parts
+    pads = initializers.get(padded.input[1]) if len(padded.input) == 2 else None
+    if (not parts or width % 32 or pool.get("kernel_shape") != [32] or pool.get("strides") != [32]
+            or any(pool.get("pads", [])) or pads is None
+            or onnx.numpy_helper.to_array(pads).tolist() != [0, 0, 0, 0, 0, 32 * parts - width // 32]):
+        return plain
     return KernelNode(INT4_BLOCKS_OP, 4, joined.input[0], width, n,
                       lambda codes, scales, zero_points: _pack_int4(codes, scales, zero_points, k, n, width),
-                      (joined.name, pooled.name))
+                      (joined.name, padded.name, pooled.name))
 
 
 def _kernel_attention(node: Any, graph: Any) -> bool:
@@ -423,8 +437,9 @@ def _swiglu_after(output: str, n: int, readers: dict[str, list[Any]], initialize
 def _pack_int4(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | None, k: int, n: int,
                width: int) -> np.ndarray:
     """A 4-bit MatMulNBits' weights in MatMulInt4Blocks' layout. With `width`, the node reads [x, x's
-    block means] (K = width + width / 32): the rows past `width` hold each block's correction c, which
-    the block's mean multiplies, so the block's offset is c / 32; else the offsets are 0."""
+    block means, the same means] (each part of means padded to whole blocks): the rows past `width` hold
+    each block's correction c in two parts, which the block's mean multiplies, so the block's offset is
+    their sum / 32; else the offsets are 0."""
     from runtime.cpu_kernels import pack_int4_blocks
 
     blocks = -(-k // 32)
@@ -439,8 +454,10 @@ def _pack_int4(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray | 
     kept = width // 32 if width else blocks
     offsets = np.zeros((n, kept), np.float64)
     if width:
-        rows = np.arange(width, k)  # correction row width + b multiplies block b's mean
-        offsets += d[:, rows // 32] * (unpacked[:, rows].astype(np.float64) - zero[:, rows // 32]) / 32
+        part = (k - width) // 2  # correction rows width + b and width + part + b multiply block b's mean
+        for first in (width, width + part):
+            rows = np.arange(first, first + kept)
+            offsets += d[:, rows // 32] * (unpacked[:, rows].astype(np.float64) - zero[:, rows // 32]) / 32
     return pack_int4_blocks(unpacked[:, :kept * 32].reshape(n, kept, 32), d[:, :kept], zero[:, :kept], offsets)
 
 

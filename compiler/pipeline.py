@@ -434,7 +434,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             optimized["rules"][rotary_in_attention.NAME] = folded
             log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
                      f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
-    kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache) \
+    kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache,
+                                         variant.quantize.kernel_activations if variant.quantize else "int8") \
         if variant.target == "onnxruntime" else (None, "not an onnxruntime variant")
     if kernels is not None and variant.kv_cache == "float16" and kernels.interface["inputs"][3]["dtype"] != "float16":
         log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's kernel's, "
@@ -492,6 +493,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             kernel_summary["kernel_prefill"] = "batched"
         if kernels.interface["inputs"][3]["dtype"] != graph.interface["inputs"][3]["dtype"]:
             kernel_summary["kernel_kv_cache"] = kernels.interface["inputs"][3]["dtype"]
+        if "activations" in kernels.interface:
+            kernel_summary["kernel_activations"] = kernels.interface["activations"]
     write_json(folder / "report.json", report)
     files = [f"variants/{variant.name}/{name}" for name in graph.files]
     summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
@@ -519,10 +522,11 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     return {**entry, **summary, "status": "built"}
 
 
-def _kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str) -> tuple[OnnxArtifact | None, int | str]:
+def _kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str,
+                  activations: str) -> tuple[OnnxArtifact | None, int | str]:
     """kernel_graph, where a failure costs the variant only the kernels' graph (and is said why)."""
     try:
-        return kernel_graph(graph, folder, kv_cache)
+        return kernel_graph(graph, folder, kv_cache, activations)
     except Exception as error:  # noqa: BLE001 - an optional second graph: the variant ships without it
         shutil.rmtree(folder, ignore_errors=True)
         return None, f"the graph for them could not be written: {type(error).__name__}: {error}"
@@ -533,9 +537,9 @@ def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any
     """The graph for Kiln's CPU kernels measured against eager as the variant's graph was, under the same
     gates: its manifest keys where it passes, else nothing and why not. It is not held to fp32's
     tolerance against the variant's graph (compiler/optimize.py, kernel_graph)."""
-    from runtime.cpu_kernels import library
+    from runtime.cpu_kernels import library_for_activations
 
-    path, why = library()
+    path, why = library_for_activations(kernels.interface.get("activations"))
     if path is None:
         log.note(f"cpu kernels: not run on this machine ({why}); the variant ships without their graph")
         return {}, f"not measured: the build machine cannot run them ({why})"

@@ -19,7 +19,10 @@ KERNEL_MODEL_FILE:
 - after an fp32 MatMul of a SwiGLU's packed gate and up projections, its Split, Sigmoid and two Muls as
   one ai.kiln::SwiGLU, bit for bit the same numbers in one pass (an fp32 variant's MLP, or a layer a
   quantized variant kept in fp32).
-fp32 variants get a kernels' graph for their attention and SwiGLUs.
+fp32 variants get a kernels' graph for their attention and SwiGLUs. A 4-bit node with the recipe's
+`activations: bf16` (int4's default) takes its activations rounded to bf16 rather than in int8 blocks
+(the attribute bf16 = 1, its codes in bf16_layout's order; the manifest's `kernel_activations`): it
+needs AVX-512 BF16, and a host without it runs model.onnx (library_for_activations).
 The int8 kernels round each activation as MLAS does but sum in another order, and int8 activations carry
 a last-bit difference into other roundings a layer later, so the compiler measures the graph against
 eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the
@@ -55,7 +58,8 @@ ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attri
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
-LIBRARY_VERSION = 4  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 5  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+BF16_ACTIVATIONS = "bfloat16"  # the manifest's kernel_activations where 4-bit nodes round activations to bf16
 
 
 @functools.cache
@@ -79,6 +83,22 @@ def library() -> tuple[Path | None, str]:
         return None, "this CPU has no AVX-512 VNNI"
     return path, ""
 
+
+
+@functools.cache
+def bf16() -> bool:
+    """Whether this CPU runs the 4-bit kernel's bf16 activations (AVX-512 BF16), the library loaded."""
+    path = library()[0]
+    return bool(path and ctypes.CDLL(str(path)).kiln_cpu_kernels_bf16())
+
+
+def library_for_activations(activations: str | None) -> tuple[Path | None, str]:
+    """library(), for a kernels' graph whose 4-bit nodes take their activations so (the manifest's
+    `kernel_activations`: BF16_ACTIVATIONS, or None for int8)."""
+    path, why = library()
+    if path is not None and activations == BF16_ACTIVATIONS and not bf16():
+        return None, "this CPU has no AVX-512 BF16, which the graph's bf16 activations need"
+    return path, why
 
 
 def library_for(graph: Path) -> Path | None:
@@ -123,6 +143,21 @@ def pack_int4_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
                            *(_tile_columns(values, n, blocks, tiles, dtype) for values, dtype in
                              ((scales, np.float16), (offsets, np.float16), (zero_points, np.uint8)))],
                           axis=2).reshape(-1)
+
+
+def bf16_layout(packed: np.ndarray, k: int) -> np.ndarray:
+    """pack_int4_blocks' bytes for K rows in MatMulInt4Blocks' layout for bf16 activations (attribute
+    bf16 = 1): in each tile's block, the codes as 8 vectors of 32 bytes, vector p holding for each of
+    the 16 columns the codes of rows 2p and 2p + 1 in its low nibbles and of rows 16 + 2p and 17 + 2p in
+    its high ones (one VDPBF16PS operand each, widened to 16-bit words); the scales, offsets and zero
+    points where they were."""
+    blocks = k // 32
+    tiled = packed.reshape(-1, blocks, 336).copy()
+    nibbles = tiled[:, :, :256].reshape(-1, blocks, 4, 64)
+    groups = np.concatenate([nibbles & 0x0F, nibbles >> 4], axis=2)  # [tile, block, group of 4 rows, 16 x 4]
+    codes = groups.reshape(-1, blocks, 8, 16, 4).transpose(0, 1, 3, 2, 4).reshape(-1, blocks, 16, 2, 8, 2)
+    tiled[:, :, :256] = (codes[:, :, :, 0] | (codes[:, :, :, 1] << 4)).transpose(0, 1, 3, 2, 4).reshape(-1, blocks, 256)
+    return tiled.reshape(-1)
 
 
 def _code_groups(codes: np.ndarray) -> np.ndarray:

@@ -21,7 +21,12 @@ const OrtApi* kiln_api;
    numbers or contract change: a library built from older sources (an editable checkout not rebuilt)
    is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). 3: the
    op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). */
-int kiln_cpu_kernels_version(void) { return 4; }
+int kiln_cpu_kernels_version(void) { return 5; }
+
+int kiln_cpu_kernels_bf16(void) {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx512bf16");
+}
 
 int kiln_cpu_kernels_supported(void) {
     __builtin_cpu_init();

@@ -154,6 +154,9 @@ BAD = {
     "exact top logits too many": (
         ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int4, exact_top_logits: 4096}}"),
         "variants.0.quantize.exact_top_logits: input should be less than or equal to 256"),
+    "activations on int8": (
+        ("target: onnxruntime}", "target: onnxruntime, quantize: {mode: int8-dynamic, activations: bf16}}"),
+        "variants.0.quantize: activations sets how Kiln's 4-bit CPU kernel takes them (mode int4); int8-dynamic"),
     "unknown gate": (("variants:\n", "validate: {gates: {top5: 0.9}}\nvariants:\n"),
                      "validate.gates.top5: unknown key; allowed keys here: top1_agreement, greedy_match"),
 }

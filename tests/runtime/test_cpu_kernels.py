@@ -100,6 +100,21 @@ def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
 
 
 @needs_kernels
+def test_a_graph_with_bf16_activations_runs_only_where_the_cpu_has_avx512_bf16(monkeypatch):
+    """A host whose CPU lacks AVX-512 BF16 runs model.onnx for such a variant, and says why."""
+    from runtime.backend import kernel_library
+
+    entry = {"kernel_model": "variants/v/model_kernels.onnx", "kernel_activations": cpu_kernels.BF16_ACTIVATIONS}
+    monkeypatch.setattr(cpu_kernels, "bf16", lambda: False)
+    assert kernel_library(entry) is None
+    assert cpu_kernels.library_for_activations(entry["kernel_activations"]) == (
+        None, "this CPU has no AVX-512 BF16, which the graph's bf16 activations need")
+    assert kernel_library({**entry, "kernel_activations": None}) == LIBRARY  # int8 activations: VNNI is enough
+    monkeypatch.setattr(cpu_kernels, "bf16", lambda: True)
+    assert kernel_library(entry) == LIBRARY
+
+
+@needs_kernels
 def test_a_library_built_from_other_sources_is_not_run(monkeypatch):
     """The library says which version of the ops it was built from; a stale build (an editable checkout
     not reinstalled) would compute other numbers than the manifest promises, so it is not loaded."""
@@ -250,3 +265,63 @@ def test_4bit_codes_past_15_and_scales_past_fp16_are_refused():
         cpu_kernels.pack_int4_blocks(codes + 1, ones, zeros, ones)
     with pytest.raises(ValueError, match="fp16's range"):
         cpu_kernels.pack_int4_blocks(codes, ones * 1e5, zeros, ones)
+
+
+needs_bf16 = pytest.mark.skipif(LIBRARY is None or not cpu_kernels.bf16(),
+                                reason=f"Kiln's CPU kernels with AVX-512 BF16: {WHY_NOT or 'this CPU has no AVX-512 BF16'}")
+
+
+def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
+                 offsets: np.ndarray) -> ort.InferenceSession:
+    n, blocks, _ = codes.shape
+    k = blocks * 32
+    node = helper.make_node(cpu_kernels.INT4_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n, bf16=1)
+    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
+    return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n)
+
+
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    """fp32 rounded to bf16 (to nearest, ties to even), as fp32."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
+
+
+@needs_bf16
+@pytest.mark.parametrize("k, n", [(64, 40), (576, 960), (1536, 70)])
+def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_each_row_alone_the_same(k, n):
+    """With bf16 = 1 the only rounding before the fp32 sums is the activations' to bf16: the output is
+    x rounded to bf16 times the weights d * (q - z) + m exactly, to fp32's summing error."""
+    rng = np.random.default_rng(k + 7 * n)
+    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float16).astype(np.float32)
+    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
+    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float16).astype(np.float32)
+    weights = (scales[..., None] * (codes.astype(np.float64) - zero_points[..., None]) + offsets[..., None])
+    weights = weights.reshape(n, k).T
+    kiln = bf16_session(codes, scales, zero_points, offsets)
+    int8 = int4_session(codes, scales, zero_points, offsets)
+    for rows in (1, 3, 9, 70, 130):
+        x = rng.standard_normal((1, rows, k)).astype(np.float32)
+        x[0, 0, :32] = 0
+        expected = as_bf16(x).astype(np.float64) @ weights
+        got = kiln.run(None, {"A": x})[0]
+        assert got.shape == (1, rows, n)
+        error = np.abs(got - expected).max() / np.abs(expected).max()
+        assert error < 1e-5
+        # int8 activation blocks: a hundred times further off the same weights
+        assert np.abs(int8.run(None, {"A": x})[0] - x.astype(np.float64) @ weights).max() / np.abs(expected).max() > 100 * error
+        alone = np.concatenate([kiln.run(None, {"A": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
+        assert np.array_equal(alone, got)
+    x = rng.standard_normal((1, 2, k)).astype(np.float32)
+    x[0, 1, 5] = np.nan
+    out = kiln.run(None, {"A": x})[0]
+    assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()
+
+
+@needs_kernels
+def test_bf16_activations_are_refused_for_8bit_weights_in_one_line():
+    node = helper.make_node(cpu_kernels.INT8_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=32, N=16, bf16=1)
+    packed = cpu_kernels.pack_int8_blocks(np.zeros((16, 1, 32), np.uint8), np.ones(16, np.float32), None)
+    with pytest.raises(Exception, match="bf16 must be 0 or 1, and 1 only for 4-bit weights"):
+        one_node_session(node, [numpy_helper.from_array(packed, "W")], 32, 16)
