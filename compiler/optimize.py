@@ -178,8 +178,9 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     attention kernel gives ONNX Runtime's numbers bit for bit, so an fp32 graph's are model.onnx's."""
     import onnx
 
+    from runtime import cpu_kernels
     from runtime.backend import with_kv_dtype
-    from runtime.cpu_kernels import ATTENTION_OP, BF16_ACTIVATIONS, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP, bf16_layout
+    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
@@ -228,7 +229,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
             packed = made.pack(*weights)
             bf16 = made.bits == 4 and activations == "bf16"
             if bf16:
-                packed = bf16_layout(packed, made.k)
+                packed = cpu_kernels.bf16_layout(packed, made.k)
             data.write(b"\0" * (-data.tell() % 4096))  # page-aligned: ONNX Runtime can map it in place
             tensor = onnx.TensorProto(name=f"int{made.bits}_blocks.{number}.{node.name}",
                                       data_type=onnx.TensorProto.UINT8, dims=[packed.size],
@@ -238,12 +239,10 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
             data.write(packed.tobytes())
             proto.graph.initializer.append(tensor)
             replaced.update(name for name in node.input[1:4] if name)
-            node.domain, node.op_type = DOMAIN, made.op
+            node.domain, node.op_type = DOMAIN, cpu_kernels.INT4_BF16_OP if bf16 else made.op
             node.input[:] = [made.activation, tensor.name]
             del node.attribute[:]
             node.attribute.extend([onnx.helper.make_attribute("K", made.k), onnx.helper.make_attribute("N", made.n)])
-            if bf16:
-                node.attribute.append(onnx.helper.make_attribute("bf16", 1))
             if node.name in gated:
                 output, replaced_nodes = gated[node.name]
                 node.output[0] = output
@@ -267,7 +266,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     interface = graph.interface
     if activations == "bf16" and any(made.bits == 4 for _, made in eligible):
-        interface = {**interface, "activations": BF16_ACTIVATIONS}
+        interface = {**interface, "activations": cpu_kernels.BF16_ACTIVATIONS}
     if attentions and not any(n.op_type == "GroupQueryAttention" and n.domain != DOMAIN for n in proto.graph.node):
         # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.

@@ -20,8 +20,8 @@ KERNEL_MODEL_FILE:
   one ai.kiln::SwiGLU, bit for bit the same numbers in one pass (an fp32 variant's MLP, or a layer a
   quantized variant kept in fp32).
 fp32 variants get a kernels' graph for their attention and SwiGLUs. A 4-bit node with the recipe's
-`activations: bf16` (int4's default) takes its activations rounded to bf16 rather than in int8 blocks
-(the attribute bf16 = 1, its codes in bf16_layout's order; the manifest's `kernel_activations`): it
+`activations: bf16` (int4's default) is ai.kiln::MatMulInt4BlocksBf16: its activations rounded to bf16
+rather than in int8 blocks, its codes in bf16_layout's order (the manifest's `kernel_activations`); it
 needs AVX-512 BF16, and a host without it runs model.onnx (library_for_activations).
 The int8 kernels round each activation as MLAS does but sum in another order, and int8 activations carry
 a last-bit difference into other roundings a layer later, so the compiler measures the graph against
@@ -54,6 +54,7 @@ KERNEL_DATA_FILE = "model_kernels.onnx.data"
 DOMAIN = "ai.kiln"
 INT8_BLOCKS_OP = "MatMulInt8Blocks"
 INT4_BLOCKS_OP = "MatMulInt4Blocks"
+INT4_BF16_OP = "MatMulInt4BlocksBf16"  # its weights in bf16_layout's order, its activations in bf16
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
@@ -146,11 +147,10 @@ def pack_int4_blocks(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
 
 
 def bf16_layout(packed: np.ndarray, k: int) -> np.ndarray:
-    """pack_int4_blocks' bytes for K rows in MatMulInt4Blocks' layout for bf16 activations (attribute
-    bf16 = 1): in each tile's block, the codes as 8 vectors of 32 bytes, vector p holding for each of
-    the 16 columns the codes of rows 2p and 2p + 1 in its low nibbles and of rows 16 + 2p and 17 + 2p in
-    its high ones (one VDPBF16PS operand each, widened to 16-bit words); the scales, offsets and zero
-    points where they were."""
+    """pack_int4_blocks' bytes for K rows in MatMulInt4BlocksBf16's layout: in each tile's block,
+    the codes as 8 vectors of 32 bytes, vector p holding for each of the 16 columns the codes of rows 2p
+    and 2p + 1 in its low nibbles and of rows 16 + 2p and 17 + 2p in its high ones (one VDPBF16PS
+    operand each, widened to 16-bit words); the scales, offsets and zero points where they were."""
     blocks = k // 32
     tiled = packed.reshape(-1, blocks, 336).copy()
     nibbles = tiled[:, :, :256].reshape(-1, blocks, 4, 64)

@@ -19,8 +19,10 @@
    offsets (fp16: a decode step reads a sixth fewer bytes than with fp32, and a GGUF block's own scale
    is fp16) and the 16 zero points, 336 bytes.
 
-   With the attribute bf16 = 1 MatMulInt4Blocks takes its activations in bf16 instead of int8 blocks
-   (AVX-512 BF16; the codes in bf16_layout's order; below, "4-bit weights times bf16 activations").
+   ai.kiln::MatMulInt4BlocksBf16(A, W) takes MatMulInt4Blocks' weights with their codes in another order
+   (bf16_layout) and its activations rounded to bf16 instead of in int8 blocks, on AVX-512 BF16 (below,
+   "4-bit weights times bf16 activations"). An op of its own, not an attribute: a library that does not
+   know it refuses the graph instead of reading the codes in the other order.
 
    With the attribute gated = 1 either op writes silu(gate) * up, N / 2 columns, where W's tiles of 16
    columns alternate gate and up (a SwiGLU MLP's packed gate and up projections): what a Split, a
@@ -28,7 +30,8 @@
    without three more nodes a layer.
 
    Each row is computed by the same instructions in the same order whatever the batch, the thread
-   count or the CPU, so a sequence's logits do not depend on what else is in the batch or on the host.
+   count or the CPU (for MatMulInt4BlocksBf16, any with AVX-512 BF16), so a sequence's logits do not
+   depend on what else is in the batch or on the host.
 
    The ops' tables are at the end; library.c registers them (the ai.kiln domain). */
 
@@ -60,7 +63,7 @@ typedef struct {
     int64_t n_out;         /* n, or n / 2 where gated */
     int bits;              /* 8: MatMulInt8Blocks' layout; 4: MatMulInt4Blocks' */
     int gated;             /* tiles in pairs (gate, up): the output is silu(gate) * up */
-    int bf16;              /* 4 bits: activations in bf16, codes in pairs of rows (pack_int4_bf16) */
+    int bf16;              /* 4 bits: activations in bf16, codes in pairs of rows (bf16_layout) */
     size_t block_bytes;    /* TILE_BLOCK_BYTES_8 or _4 */
     const uint8_t* packed; /* [tiles][blocks][block_bytes] */
 } Weights;
@@ -323,7 +326,7 @@ static inline __attribute__((always_inline)) void run_shard(const Job* job, size
 
 /* -- 4-bit weights times bf16 activations ------------------------------------------------------------
 
-   With the attribute bf16 = 1, MatMulInt4Blocks rounds the activations to bf16 (to nearest even)
+   MatMulInt4BlocksBf16 rounds the activations to bf16 (to nearest even)
    instead of quantizing them per block to int8, and multiplies them by the weights with AVX-512 BF16's
    VDPBF16PS: two products a lane, summed in fp32. A 4-bit code q is exact in bf16 as 128 + q (the bits
    0x4300 | q), so a block adds d * sum(a (128 + q)) + (m - d (z + 128)) * sum(a), the second sum over
@@ -500,14 +503,17 @@ typedef struct {
     void* chunk;  /* where the weights were copied (kiln_weights_copy), or NULL */
 } Kernel;
 
-static const char* name_for_bits(int bits) { return bits == 4 ? "MatMulInt4Blocks" : "MatMulInt8Blocks"; }
+static const char* name_for(int bits, int bf16) {
+    return bf16 ? "MatMulInt4BlocksBf16" : bits == 4 ? "MatMulInt4Blocks" : "MatMulInt8Blocks";
+}
 
-static int op_bits(const OrtCustomOp* op) { return op == &kiln_int4_blocks_op ? 4 : 8; }
+static int op_bits(const OrtCustomOp* op) { return op == &kiln_int8_blocks_op ? 8 : 4; }
+static int op_bf16(const OrtCustomOp* op) { return op == &kiln_int4_bf16_op; }
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
     (void)api_;
-    int bits = op_bits(op);
-    const char* name = name_for_bits(bits);
+    int bits = op_bits(op), bf16 = op_bf16(op);
+    const char* name = name_for(bits, bf16);
     OrtStatus* status;
     int64_t k = kiln_attribute_int(info, "K", 0), n = kiln_attribute_int(info, "N", 0);
     if (k <= 0 || n <= 0 || k % BLOCK || k > (1 << 24) || n > (1 << 24))
@@ -516,11 +522,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     if (gated != 0 && (gated != 1 || n % (2 * TILE)))
         return kiln_op_error(ORT_INVALID_ARGUMENT, name,
                              "gated must be 0 or 1, and 1 needs N a multiple of 32 (tiles in pairs)");
-    int64_t bf16 = kiln_attribute_int(info, "bf16", 0);
-    if (bf16 != 0 && (bf16 != 1 || bits != 4))
-        return kiln_op_error(ORT_INVALID_ARGUMENT, name, "bf16 must be 0 or 1, and 1 only for 4-bit weights");
-    if (bf16 && !kiln_cpu_kernels_bf16())
-        return kiln_op_error(ORT_FAIL, name, "bf16 = 1 needs a CPU with AVX-512 BF16");
+    if (bf16 && !kiln_cpu_kernels_bf16()) return kiln_op_error(ORT_FAIL, name, "this CPU has no AVX-512 BF16");
     int is_constant = 0;
     const OrtValue* packed = NULL;
     if ((status = CALL(API_KernelInfoGetConstantInput_tensor,
@@ -542,6 +544,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
         free(kernel);
         return kiln_op_error(ORT_INVALID_ARGUMENT, name, bits == 8
             ? "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int8_blocks)"
+            : bf16 ? "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, bf16_layout)"
             : "W is not K x N weights in this kernel's layout (runtime/cpu_kernels.py, pack_int4_blocks)");
     }
     const void* copy = kiln_weights_copy(kernel->weights.packed, size, &kernel->chunk);
@@ -558,7 +561,7 @@ static void destroy_kernel(void* data) {
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
-    const char* name = name_for_bits(kernel->weights.bits);
+    const char* name = name_for(kernel->weights.bits, kernel->weights.bf16);
     const OrtValue* input;
     OrtValue* output;
     OrtStatus* status;
@@ -580,13 +583,13 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     return NULL;
 }
 
-static const char* op_name(const OrtCustomOp* op) { return name_for_bits(op_bits(op)); }
+static const char* op_name(const OrtCustomOp* op) { return name_for(op_bits(op), op_bf16(op)); }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return 2; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
 static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
 
-/* The two ops differ only in what op_bits returns for them. */
+/* The three ops differ only in what op_bits and op_bf16 return for them. */
 #define BLOCKS_OP {                                  \
     KILN_OP_COMMON,                                  \
     .GetName = op_name,                              \
@@ -600,3 +603,4 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (vo
 }
 OrtCustomOp kiln_int8_blocks_op = BLOCKS_OP;
 OrtCustomOp kiln_int4_blocks_op = BLOCKS_OP;
+OrtCustomOp kiln_int4_bf16_op = BLOCKS_OP;

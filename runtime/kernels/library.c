@@ -217,8 +217,8 @@ static void setup(void) {
         strcpy(setup_error, "Kiln's CPU kernels need AVX-512 VNNI, which this CPU does not have");
         return;
     }
-    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_attention_op, &kiln_attention_fp16_cache_op,
-                          &kiln_swiglu_op};
+    OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_int4_bf16_op, &kiln_attention_op,
+                          &kiln_attention_fp16_cache_op, &kiln_swiglu_op};
     OrtCustomOpDomain* made = NULL;
     OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
     for (size_t i = 0; !status && i < sizeof ops / sizeof *ops; i++)

@@ -86,9 +86,9 @@ typedef struct OrtCustomOp {
 } OrtCustomOp;
 
 /* The ops, one table each (int8_blocks.c, attention.c, swiglu.c). */
-int kiln_cpu_kernels_bf16(void);  /* AVX-512 BF16: MatMulInt4Blocks with bf16 = 1 */
-extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_attention_op, kiln_attention_fp16_cache_op,
-    kiln_swiglu_op;
+int kiln_cpu_kernels_bf16(void);  /* AVX-512 BF16, which MatMulInt4BlocksBf16 needs */
+extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_int4_bf16_op, kiln_attention_op,
+    kiln_attention_fp16_cache_op, kiln_swiglu_op;
 
 /* -- shared by the ops (library.c) ----------------------------------------------------------------- */
 

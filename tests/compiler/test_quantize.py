@@ -216,12 +216,16 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     assert ("com.microsoft", "MatMulNBits") in mixed_ops
     assert f"variants/cpu-int8-mixed/{cpu_kernels.KERNEL_DATA_FILE}" not in mixed["files"]
 
-    gptq = manifest["variants"]["cpu-int4-gptq"]  # 4 bits in blocks of 32: MatMulInt4Blocks
+    # 4 bits in blocks of 32: bf16 activations by default (MatMulInt4BlocksBf16), or where this machine
+    # cannot measure those, int8 ones (MatMulInt4Blocks)
+    gptq = manifest["variants"]["cpu-int4-gptq"]
     kernel_ops = [n.op_type for n in onnx.load(str(quantized / gptq["kernel_model"]), load_external_data=False).graph.node]
     nodes = json.loads((quantized / gptq["report"]).read_text())["cpu_kernels"]["nodes"]
-    assert kernel_ops.count(cpu_kernels.INT4_BLOCKS_OP) > 0
-    assert nodes == kernel_ops.count(cpu_kernels.INT4_BLOCKS_OP) + kernel_ops.count(cpu_kernels.ATTENTION_OP)
+    op = cpu_kernels.INT4_BF16_OP if cpu_kernels.bf16() else cpu_kernels.INT4_BLOCKS_OP
+    assert kernel_ops.count(op) > 0
+    assert nodes == kernel_ops.count(op) + kernel_ops.count(cpu_kernels.ATTENTION_OP)
     assert "MatMulNBits" not in kernel_ops
+    assert gptq.get("kernel_activations") == (cpu_kernels.BF16_ACTIVATIONS if cpu_kernels.bf16() else None)
 
 
 def test_missed_gate_fails_the_compile_with_its_numbers(tiny_checkpoints, tmp_path):

@@ -275,7 +275,7 @@ def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
                  offsets: np.ndarray) -> ort.InferenceSession:
     n, blocks, _ = codes.shape
     k = blocks * 32
-    node = helper.make_node(cpu_kernels.INT4_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n, bf16=1)
+    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
     packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
     return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n)
 
@@ -290,7 +290,7 @@ def as_bf16(x: np.ndarray) -> np.ndarray:
 @needs_bf16
 @pytest.mark.parametrize("k, n", [(64, 40), (576, 960), (1536, 70)])
 def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_each_row_alone_the_same(k, n):
-    """With bf16 = 1 the only rounding before the fp32 sums is the activations' to bf16: the output is
+    """MatMulInt4BlocksBf16's only rounding before the fp32 sums is the activations' to bf16: the output is
     x rounded to bf16 times the weights d * (q - z) + m exactly, to fp32's summing error."""
     rng = np.random.default_rng(k + 7 * n)
     codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
@@ -319,9 +319,26 @@ def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_
     assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()
 
 
-@needs_kernels
-def test_bf16_activations_are_refused_for_8bit_weights_in_one_line():
-    node = helper.make_node(cpu_kernels.INT8_BLOCKS_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=32, N=16, bf16=1)
-    packed = cpu_kernels.pack_int8_blocks(np.zeros((16, 1, 32), np.uint8), np.ones(16, np.float32), None)
-    with pytest.raises(Exception, match="bf16 must be 0 or 1, and 1 only for 4-bit weights"):
-        one_node_session(node, [numpy_helper.from_array(packed, "W")], 32, 16)
+@needs_bf16
+def test_the_bf16_kernel_gated_writes_silu_of_its_gate_tiles_times_its_up_tiles():
+    """gated = 1: tiles of 16 columns alternate gate and up; the op writes silu(gate) * up, the same
+    numbers as the ungated op's columns (the same sums) through the SiLU, and a row alone the same."""
+    k, n = 576, 128
+    rng = np.random.default_rng(11)
+    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
+    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
+    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float32)
+    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
+    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n, gated=1)
+    gated = one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n // 2)
+    plain = bf16_session(codes, scales, zero_points, offsets)
+    for rows in (1, 5, 40):
+        x = rng.standard_normal((1, rows, k)).astype(np.float32)
+        sums = plain.run(None, {"A": x})[0].reshape(rows, n // 32, 2, 16)
+        gate, up = sums[:, :, 0].reshape(1, rows, -1), sums[:, :, 1].reshape(1, rows, -1)
+        got = gated.run(None, {"A": x})[0]
+        assert got.shape == (1, rows, n // 2)
+        np.testing.assert_allclose(got, gate / (1 + np.exp(-gate.astype(np.float64))) * up, rtol=1e-5, atol=1e-6)
+        alone = np.concatenate([gated.run(None, {"A": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
+        assert np.array_equal(alone, got)
