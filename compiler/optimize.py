@@ -159,8 +159,10 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
 
     A 4-bit node that reads its activations' block means beside them (a Q4_1 grid's zero-point
     correction, compiler/quantize.py _encode_int4_grid) becomes one node on the activations alone: the
-    correction's weights become the blocks' offsets, times the exact block sums rather than int8 codes
-    of their means, and the AveragePool and Concat that fed it go where nothing else reads them. A node
+    correction's two parts become the blocks' offsets, times the exact block sums rather than int8 codes
+    of their means, and the AveragePool, Pad and Concat that fed it go where nothing else reads them.
+    With activations "bf16" each 4-bit node is ai.kiln::MatMulInt4BlocksBf16 instead (its codes in
+    bf16_layout's order), and the graph's interface says so (`activations`). A node
     whose output is only split in halves for a SwiGLU (silu(first) * second: pack_matmuls' gate/up)
     computes that itself (`gated`), bit for bit what the Split, Sigmoid and two Muls it replaces wrote;
     after an fp32 MatMul (an fp32 variant, or a layer the quantizer kept in fp32) those four nodes
@@ -171,11 +173,12 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     present are fp16 (its interface says so); else the cache stays fp32, and the interface's type is how
     the caller tells.
 
-    The caller measures it against eager as it measures `graph`: the kernel rounds each activation as
-    MLAS does but sums in another order, and int8 activations carry a last-bit difference into other
-    roundings a layer later (SmolLM2 int8: top-1 0.985 on MLAS, 0.973 and 0.980 with two orders of
-    the kernel's sums), so the two graphs agree to int8's accuracy, not to fp32's tolerance. The
-    attention kernel gives ONNX Runtime's numbers bit for bit, so an fp32 graph's are model.onnx's."""
+    The caller measures it against eager as it measures `graph`: the int8 kernels round each activation as MLAS
+    does but sum in another order (the bf16 one rounds them to bf16 instead), and int8 activations carry a
+    last-bit difference into other roundings a layer later (SmolLM2 int8: top-1 0.985 on MLAS, 0.973 and 0.980
+    with two orders of the kernel's sums), so the two graphs agree to int8's accuracy, not to fp32's
+    tolerance. The attention kernel gives ONNX Runtime's numbers bit for bit, so an fp32 graph's are
+    model.onnx's."""
     import onnx
 
     from runtime import cpu_kernels

@@ -27,15 +27,17 @@ The int8 kernels round each activation as MLAS does but sum in another order, an
 a last-bit difference into other roundings a layer later, so the compiler measures the graph against
 eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the
 manifest names it as the variant's `kernel_model`. A CPU host runs it where the library was built at
-install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI; anywhere else, or
-with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which every ONNX Runtime opens.
+install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI (and AVX-512 BF16
+for bf16 activations); anywhere else, or with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which
+every ONNX Runtime opens.
 
-Measured on SmolLM2-135M (2 threads, AMD EPYC with AVX-512 VNNI, bench/ab_step.py --alone): a
-batch-1 decode step 1.13x MLAS's at 8 bits, where both read the weights at about the memory's rate,
-and 1.6x at 4 bits, which MLAS unpacks more slowly; from 32 rows up MLAS is bound by its per-block
-work (1.4x to 1.7x). The attention op alone: 1.98x ONNX Runtime's at batch 1, 2.30x and 1.92x at
-batch 8 and 32 (decode, 45 to 77 cached tokens), 1.83x for a 49-token prompt; a batch-32 decode step of
-int8 1.16x, int4 1.19x and fp32 1.07x faster with it.
+Measured on SmolLM2-135M (2 threads, AMD EPYC with AVX-512 VNNI, bench/ab_step.py --alone): a batch-1 decode
+step 1.13x MLAS's at 8 bits, where both read the weights at about the memory's rate, and 1.6x at 4 bits with
+int8 activations, which MLAS unpacks more slowly (with bf16 ones the 4-bit step is 0.93x the int8-activation
+kernel's at batch 1, 0.70x and 0.66x at 8 and 32); from 32 rows up MLAS is bound by its per-block work (1.4x
+to 1.7x). The attention op alone: 1.98x ONNX Runtime's at batch 1, 2.30x and 1.92x at batch 8 and 32 (decode,
+45 to 77 cached tokens), 1.83x for a 49-token prompt; a batch-32 decode step of int8 1.16x, int4 1.19x and
+fp32 1.07x faster with it.
 """
 
 from __future__ import annotations
