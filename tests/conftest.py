@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -118,6 +119,13 @@ def genai_greedy(folder: Path, prompts: list[list[int]], new_tokens: int) -> lis
 
 FP32_VARIANT = "  - {name: cpu-fp32, target: onnxruntime}\n"
 UNFUSED_VARIANT = "  - {name: cpu-fp32-unfused, target: onnxruntime, fuse: false}\n"
+
+
+def as_bf16(x: np.ndarray) -> np.ndarray:
+    """An fp32 array rounded to bf16 (to nearest, ties to even), as fp32: what Kiln's bf16 kernel rounds."""
+    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return rounded.astype(np.uint32).view(np.float32)
 
 
 def write_recipe(path: Path, source: Path | str, name: str = "tiny", extra: str = "",

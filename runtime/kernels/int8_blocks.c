@@ -310,16 +310,24 @@ static inline __attribute__((always_inline)) void tiles_rows(const Job* job, int
 
 /* Work item i of `items` = (row chunk, group of TILES_PER_ITEM tiles), chunk-major so that a thread's
    consecutive items reuse one chunk's activations. A shard is a contiguous run of items. */
+typedef struct { int64_t t0, t1, r0, r1; } Item;  /* tiles [t0, t1) for rows [r0, r1) */
+
+static inline Item item_of(const Job* job, int64_t i) {
+    int64_t chunk = i / job->items_per_chunk, group = i % job->items_per_chunk;
+    Item item = {group * TILES_PER_ITEM, (group + 1) * TILES_PER_ITEM, chunk * ROWS_PER_CHUNK, (chunk + 1) * ROWS_PER_CHUNK};
+    if (item.t1 > job->w->tiles) item.t1 = job->w->tiles;
+    if (item.r1 > job->rows) item.r1 = job->rows;
+    return item;
+}
+
+static inline int64_t shard_start(const Job* job, size_t shard) {
+    return job->chunks * job->items_per_chunk * (int64_t)shard / job->shards;
+}
+
 static inline __attribute__((always_inline)) void run_shard(const Job* job, size_t shard, int bits) {
-    int64_t items = job->chunks * job->items_per_chunk;
-    int64_t first = items * (int64_t)shard / job->shards, last = items * ((int64_t)shard + 1) / job->shards;
-    for (int64_t i = first; i < last; i++) {
-        int64_t chunk = i / job->items_per_chunk, group = i % job->items_per_chunk;
-        int64_t t0 = group * TILES_PER_ITEM, t1 = t0 + TILES_PER_ITEM;
-        if (t1 > job->w->tiles) t1 = job->w->tiles;
-        int64_t r0 = chunk * ROWS_PER_CHUNK, r1 = r0 + ROWS_PER_CHUNK;
-        if (r1 > job->rows) r1 = job->rows;
-        tiles_rows(job, t0, t1, r0, r1, bits);
+    for (int64_t i = shard_start(job, shard); i < shard_start(job, shard + 1); i++) {
+        Item item = item_of(job, i);
+        tiles_rows(job, item.t0, item.t1, item.r0, item.r1, bits);
     }
 }
 
@@ -419,18 +427,12 @@ static inline __attribute__((always_inline, target("avx512bf16"))) void bf16_row
 
 static __attribute__((target("avx512bf16"))) void run_shard_bf16(void* data, size_t shard) {
     const Job* job = data;
-    int64_t items = job->chunks * job->items_per_chunk;
-    int64_t first = items * (int64_t)shard / job->shards, last = items * ((int64_t)shard + 1) / job->shards;
-    for (int64_t i = first; i < last; i++) {
-        int64_t chunk = i / job->items_per_chunk, group = i % job->items_per_chunk;
-        int64_t t1 = (group + 1) * TILES_PER_ITEM;
-        if (t1 > job->w->tiles) t1 = job->w->tiles;
-        int64_t r0 = chunk * ROWS_PER_CHUNK, r1 = r0 + ROWS_PER_CHUNK;
-        if (r1 > job->rows) r1 = job->rows;
-        for (int64_t t = group * TILES_PER_ITEM; t < t1; t += 1 + job->w->gated) {
-            int64_t m = r0;
-            for (; m + 4 <= r1; m += 4) bf16_rows_of_tile(job, t, m, 4, m == r0);
-            for (; m < r1; m++) bf16_rows_of_tile(job, t, m, 1, m == r0);
+    for (int64_t i = shard_start(job, shard); i < shard_start(job, shard + 1); i++) {
+        Item item = item_of(job, i);
+        for (int64_t t = item.t0; t < item.t1; t += 1 + job->w->gated) {
+            int64_t m = item.r0;
+            for (; m + 4 <= item.r1; m += 4) bf16_rows_of_tile(job, t, m, 4, m == item.r0);
+            for (; m < item.r1; m++) bf16_rows_of_tile(job, t, m, 1, m == item.r0);
         }
     }
 }

@@ -17,7 +17,7 @@ from compiler.pipeline import compile_recipe
 from compiler.quantize import weight_matmuls
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
-from tests.conftest import write_recipe
+from tests.conftest import as_bf16, write_recipe
 
 VARIANTS = """\
   - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic, exclude: [lm_head], smoothing: 0.5}}
@@ -472,8 +472,7 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
                             activations="bf16")
     assert built.interface["activations"] == cpu_kernels.BF16_ACTIVATIONS
     out = ort.InferenceSession(str(built.model_path), options, providers=["CPUExecutionProvider"]).run(None, {"x": x})
-    rounded = (x.view(np.uint32).astype(np.uint64) + 0x7FFF + ((x.view(np.uint32) >> 16) & 1)) & 0xFFFF0000
-    x_bf16 = rounded.astype(np.uint32).view(np.float32).astype(np.float64)
+    x_bf16 = as_bf16(x).astype(np.float64)
     for i in range(2):
         assert np.abs(out[i] - x_bf16 @ weights[i]).max() / np.abs(x_bf16 @ weights[i]).max() < 5e-4
 

@@ -12,6 +12,7 @@ import pytest
 from onnx import TensorProto, helper, numpy_helper
 
 from runtime import cpu_kernels
+from tests.conftest import as_bf16
 
 LIBRARY, WHY_NOT = cpu_kernels.library()
 needs_kernels = pytest.mark.skipif(LIBRARY is None, reason=f"Kiln's CPU kernels: {WHY_NOT}")
@@ -278,13 +279,6 @@ def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
     node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
     packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
     return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n)
-
-
-def as_bf16(x: np.ndarray) -> np.ndarray:
-    """fp32 rounded to bf16 (to nearest, ties to even), as fp32."""
-    bits = x.astype(np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return rounded.astype(np.uint32).view(np.float32)
 
 
 @needs_bf16
