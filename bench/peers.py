@@ -7,7 +7,8 @@
 What it builds (once, kept in --work): the checkpoint as a Hugging Face folder (the GGUF file
 dequantized by transformers), onnxruntime-genai 0.18's fp32, int8 and int4 models from that folder
 with its model builder, and Kiln's cpu-int4 variant (bf16 activations on the 4-bit kernel), its
-cpu-int4-int8 twin (int8 activation blocks, the row "Kiln cpu-int4, int8 activations") and a cpu-int8
+cpu-int4-int8 twin (int8 activation blocks, the row "Kiln cpu-int4, int8 activations"; "Kiln cpu-int4 on
+FMAs" is cpu-int4 on the bf16 kernel's FMA path, as a CPU without AVX-512 BF16 runs it) and a cpu-int8
 with every layer quantized (bench/smollm2-variants.yaml; int4's GPTQ twin is not run: SmolLM2's layer
 weights are on a Q4_1 grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
 (`exclude: auto`) come from --artifact, the main command's artifact. Each Kiln row runs the graph this
@@ -165,7 +166,8 @@ class Kiln:
     own kernels."""
 
     def __init__(self, artifact: Path, variant: str, threads: int, label: str | None = None,
-                 mlas: bool = False) -> None:
+                 mlas: bool = False, fma: bool = False) -> None:
+        from runtime import cpu_kernels
         from runtime.artifact import Artifact
         from runtime.backend import OnnxRuntimeBackend
         from runtime.generator import Generator
@@ -178,13 +180,20 @@ class Kiln:
             backend = OnnxRuntimeBackend(opened.folder / entry["model"], entry["interface"], threads=threads)
             self.generator = Generator(opened, backend, Tokenizer(opened.tokenizer_dir), max(BATCHES))
         else:
-            self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
+            # fma: the bf16 kernel's FMA path, which a CPU without AVX-512 BF16 takes (read per session)
+            if fma:
+                os.environ[cpu_kernels.BF16_PATH_VARIABLE] = "fma"
+            try:
+                self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
+            finally:
+                if fma:
+                    os.environ.pop(cpu_kernels.BF16_PATH_VARIABLE)
         manifest = json.loads((Path(artifact) / "manifest.json").read_text())
         # What decides its numbers and its speed: the graph's bytes, the kernels, and whether prompts
         # prefill in one step (a build from before `kernel_prefill` runs the same graph row by row).
         backend = self.generator.backend
         self.graph = (*(manifest["files"][f]["sha256"] for f in manifest["variants"][variant]["files"]),
-                      backend.kernels is not None, getattr(backend, "batched_prefill", False))
+                      backend.kernels is not None, getattr(backend, "batched_prefill", False), fma)
 
     def generate(self, prompts: list[list[int]], new_tokens: int) -> tuple[list[list[int]], float, float]:
         from runtime.sampling import SamplingParams
@@ -366,6 +375,7 @@ def load_backends(args, round_number: int | None = None) -> list:
               lambda: Kiln(quantized, "cpu-int8", threads, label="Kiln cpu-int8, all quantized"),
               lambda: Kiln(quantized, "cpu-int4", threads),
               lambda: Kiln(quantized, "cpu-int4-int8", threads, label="Kiln cpu-int4, int8 activations"),
+              lambda: Kiln(quantized, "cpu-int4", threads, label="Kiln cpu-int4 on FMAs", fma=True),
               lambda: Kiln(quantized, "cpu-int4", threads, label="Kiln cpu-int4 on MLAS", mlas=True)]
     if args.before:
         before = Path(args.before)
@@ -504,7 +514,8 @@ def main() -> None:
     genai_rows = {r["backend"].split()[-1]: r for r in rows_out if r["backend"].startswith("onnxruntime-genai")}
     for row in rows_out:
         if row["backend"].startswith("Kiln"):
-            peer = genai_rows.get(row["backend"].split("cpu-")[1].split(",")[0])  # "Kiln cpu-int8, all ..." -> int8
+            # "Kiln cpu-int8, all quantized", "Kiln cpu-int4 on FMAs" -> int8, int4
+            peer = genai_rows.get(row["backend"].split("cpu-")[1].split(",")[0].split()[0])
             row["x_genai"] = ({b: row[f"b{b}_tokens_per_s"] / peer[f"b{b}_tokens_per_s"] for b in BATCHES}
                               if peer else None)
     twins = noise_from_twins(backends, rows_out)

@@ -434,7 +434,8 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             optimized["rules"][rotary_in_attention.NAME] = folded
             log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
                      f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
-    kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache, _kernel_activations(variant, log)) \
+    activations = variant.quantize.kernel_activations if variant.quantize else "int8"
+    kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache, activations) \
         if variant.target == "onnxruntime" else (None, "not an onnxruntime variant")
     if kernels is not None and variant.kv_cache == "float16" and kernels.interface["inputs"][3]["dtype"] != "float16":
         log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's kernel's, "
@@ -521,20 +522,6 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     return {**entry, **summary, "status": "built"}
 
 
-def _kernel_activations(variant: Variant, log: StageLog) -> str:
-    """How the kernels' graph's 4-bit nodes take their activations: the recipe's, or by default bf16 where
-    this machine can measure that graph (it ships only measured), else int8, said in the log."""
-    from runtime import cpu_kernels
-
-    chosen = variant.quantize.kernel_activations if variant.quantize else "int8"
-    if chosen == "bf16" and variant.quantize.activations is None and cpu_kernels.library()[0] is not None \
-            and not cpu_kernels.bf16():
-        log.note("cpu kernels: this machine has no AVX-512 BF16 to measure int4's bf16 activations on; the kernels' "
-                 "graph takes int8 activation blocks (give quantize.activations to choose)")
-        return "int8"
-    return chosen
-
-
 def _kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str,
                   activations: str) -> tuple[OnnxArtifact | None, int | str]:
     """kernel_graph, where a failure costs the variant only the kernels' graph (and is said why)."""
@@ -550,9 +537,9 @@ def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any
     """The graph for Kiln's CPU kernels measured against eager as the variant's graph was, under the same
     gates: its manifest keys where it passes, else nothing and why not. It is not held to fp32's
     tolerance against the variant's graph (compiler/optimize.py, kernel_graph)."""
-    from runtime.cpu_kernels import library_for_activations
+    from runtime.cpu_kernels import library
 
-    path, why = library_for_activations(kernels.interface.get("activations"))
+    path, why = library()
     if path is None:
         log.note(f"cpu kernels: not run on this machine ({why}); the variant ships without their graph")
         return {}, f"not measured: the build machine cannot run them ({why})"

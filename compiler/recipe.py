@@ -130,8 +130,8 @@ class QuantizeSpec(_Strict):
     # up_proj's and v_proj's columns (compiler/smoothing.py). Unset: no smoothing.
     smoothing: float | None = Field(None, ge=0, le=1)
     # int4: how Kiln's 4-bit CPU kernel (model_kernels.onnx) takes the activations. bf16 (int4's default):
-    # rounded to bf16 and multiplied by AVX-512 BF16's VDPBF16PS; a host without it runs model.onnx. int8:
-    # quantized per block of 32 as MatMulNBits does, on any AVX-512 VNNI host. model.onnx quantizes them
+    # rounded to bf16 and multiplied by AVX-512 BF16's VDPBF16PS, or on a CPU without it by FMAs that give
+    # the same numbers. int8: quantized per block of 32 as MatMulNBits does. model.onnx quantizes them
     # to int8 either way. SmolLM2 (Q4_1 weights kept exactly): 17 against 99 of 3,177 held-out next-token
     # predictions off fp32's; a decode step 0.93x as fast at batch 1, 0.70x and 0.66x at 8 and 32.
     activations: Literal["int8", "bf16"] | None = None

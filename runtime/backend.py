@@ -105,7 +105,7 @@ def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) ->
         return None
     from . import cpu_kernels
 
-    return cpu_kernels.library_for_activations(entry.get("kernel_activations"))[0]
+    return cpu_kernels.library()[0]
 
 
 def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:

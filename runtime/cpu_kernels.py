@@ -21,21 +21,24 @@ KERNEL_MODEL_FILE:
   quantized variant kept in fp32).
 fp32 variants get a kernels' graph for their attention and SwiGLUs. A 4-bit node with the recipe's
 `activations: bf16` (int4's default) is ai.kiln::MatMulInt4BlocksBf16: its activations rounded to bf16
-rather than in int8 blocks, its codes in bf16_layout's order (the manifest's `kernel_activations`); it
-needs AVX-512 BF16, and a host without it runs model.onnx (library_for_activations).
+rather than in int8 blocks, its codes in bf16_layout's order (the manifest's `kernel_activations`): on
+AVX-512 BF16's instructions where the CPU has them, else the same numbers bit for bit on fused
+multiply-adds (bf16()).
 The int8 kernels round each activation as MLAS does but sum in another order, and int8 activations carry
 a last-bit difference into other roundings a layer later, so the compiler measures the graph against
 eager under the variant's gates as it measures model.onnx, and ships it only where it passes; the
 manifest names it as the variant's `kernel_model`. A CPU host runs it where the library was built at
-install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI (and AVX-512 BF16
-for bf16 activations); anywhere else, or with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which
-every ONNX Runtime opens.
+install (setup.py; a host without a C compiler skips it) and the CPU has AVX-512 VNNI; anywhere else, or
+with KILN_CPU_KERNELS=0, the runtime runs model.onnx, which every ONNX Runtime opens.
 
 Measured on SmolLM2-135M (2 threads, AMD EPYC with AVX-512 VNNI, bench/ab_step.py --alone): a batch-1 decode
 step 1.13x MLAS's at 8 bits, where both read the weights at about the memory's rate, and 1.6x at 4 bits with
-int8 activations, which MLAS unpacks more slowly (with bf16 ones the 4-bit step is 0.93x the int8-activation
-kernel's at batch 1, 0.70x and 0.66x at 8 and 32); from 32 rows up MLAS is bound by its per-block work (1.4x
-to 1.7x). The attention op alone: 1.98x ONNX Runtime's at batch 1, 2.30x and 1.92x at batch 8 and 32 (decode,
+int8 activations, which MLAS unpacks more slowly; from 32 rows up MLAS is bound by its per-block work (1.4x
+to 1.7x). With bf16 activations the 4-bit step is 0.93x the int8-activation kernel's at batch 1, 0.70x and
+0.66x at 8 and 32: VDPBF16PS makes half of VNNI's products an instruction, and this CPU issues it no faster
+than an FMA. On FMAs alone, as a CPU without AVX-512 BF16 runs it: 0.87x, 0.83x and 0.73x the bf16
+instructions' step, 1.38x, 1.17x and 0.94x MLAS's int4 step (which has int8 activations). The attention op
+alone: 1.98x ONNX Runtime's at batch 1, 2.30x and 1.92x at batch 8 and 32 (decode,
 45 to 77 cached tokens), 1.83x for a 49-token prompt; a batch-32 decode step of int8 1.16x, int4 1.19x and
 fp32 1.07x faster with it.
 """
@@ -61,7 +64,7 @@ ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attri
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
-LIBRARY_VERSION = 5  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 6  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 BF16_ACTIVATIONS = "bfloat16"  # the manifest's kernel_activations where 4-bit nodes round activations to bf16
 
 
@@ -88,20 +91,14 @@ def library() -> tuple[Path | None, str]:
 
 
 
-@functools.cache
+BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the FMA path on a CPU with AVX-512 BF16 too
+
+
 def bf16() -> bool:
-    """Whether this CPU runs the 4-bit kernel's bf16 activations (AVX-512 BF16), the library loaded."""
+    """Whether the library loaded here multiplies bf16 activations with AVX-512 BF16's instructions; else
+    (no AVX-512 BF16, or KILN_CPU_KERNELS_BF16=fma) with fused multiply-adds, the same numbers bit for bit."""
     path = library()[0]
     return bool(path and ctypes.CDLL(str(path)).kiln_cpu_kernels_bf16())
-
-
-def library_for_activations(activations: str | None) -> tuple[Path | None, str]:
-    """library(), for a kernels' graph whose 4-bit nodes take their activations so (the manifest's
-    `kernel_activations`: BF16_ACTIVATIONS, or None for int8)."""
-    path, why = library()
-    if path is not None and activations == BF16_ACTIVATIONS and not bf16():
-        return None, "this CPU has no AVX-512 BF16, which the graph's bf16 activations need"
-    return path, why
 
 
 def library_for(graph: Path) -> Path | None:

@@ -328,9 +328,9 @@ def _describe_variant(artifact, entry: dict) -> str:
         lines.append(f"  accuracy   top-1 {accuracy['top1_agreement']:.3f}, perplexity "
                      f"{accuracy['perplexity_change']:+.2%}, greedy match {accuracy['greedy_match']:.2f} vs eager")
     if "kernel_model" in entry:
-        from .cpu_kernels import library_for_activations
+        from .cpu_kernels import bf16, library
 
-        kernels, why = library_for_activations(entry.get("kernel_activations"))
+        kernels, why = library()
         measured = entry["kernel_accuracy"]
         lines.append(f"  kernels    {artifact.folder / entry['kernel_model']}: top-1 {measured['top1_agreement']:.3f}, "
                      f"perplexity {measured['perplexity_change']:+.2%} vs eager; "
@@ -338,7 +338,9 @@ def _describe_variant(artifact, entry: dict) -> str:
                      + ("; prompts of different lengths prefill in one step"
                         if kernels and entry.get("kernel_prefill") == "batched" else "")
                      + (f"; its KV cache {entry['kernel_kv_cache']}" if "kernel_kv_cache" in entry else "")
-                     + (f"; 4-bit activations {entry['kernel_activations']}" if "kernel_activations" in entry else ""))
+                     + (f"; 4-bit activations {entry['kernel_activations']}" if "kernel_activations" in entry else "")
+                     + ((" on AVX-512 BF16" if bf16() else " on FMAs (the same numbers)")
+                        if kernels and "kernel_activations" in entry else ""))
     fused = ", ".join(f"{k} {v}" for k, v in (entry.get("fusions") or {}).items() if v) or "none"
     lines.append(f"  fusions    {fused}")
     lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"

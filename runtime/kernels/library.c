@@ -20,12 +20,16 @@ const OrtApi* kiln_api;
 /* What runtime/cpu_kernels.py checks the library against (LIBRARY_VERSION), raised whenever an op's
    numbers or contract change: a library built from older sources (an editable checkout not rebuilt)
    is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). 3: the
-   op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). */
-int kiln_cpu_kernels_version(void) { return 5; }
+   op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). 5:
+   MatMulInt4BlocksBf16 (int8_blocks.c). 6: MatMulInt4BlocksBf16 on CPUs without AVX-512 BF16 too. */
+int kiln_cpu_kernels_version(void) { return 6; }
 
+/* Whether MatMulInt4BlocksBf16 runs AVX-512 BF16's instructions here, or their numbers with fused
+   multiply-adds (no AVX-512 BF16, or KILN_CPU_KERNELS_BF16=fma: to measure that path on a CPU with it). */
 int kiln_cpu_kernels_bf16(void) {
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512bf16");
+    const char* path = getenv("KILN_CPU_KERNELS_BF16");
+    return __builtin_cpu_supports("avx512bf16") && !(path && strcmp(path, "fma") == 0);
 }
 
 int kiln_cpu_kernels_supported(void) {

@@ -86,7 +86,7 @@ typedef struct OrtCustomOp {
 } OrtCustomOp;
 
 /* The ops, one table each (int8_blocks.c, attention.c, swiglu.c). */
-int kiln_cpu_kernels_bf16(void);  /* AVX-512 BF16, which MatMulInt4BlocksBf16 needs */
+int kiln_cpu_kernels_bf16(void);  /* MatMulInt4BlocksBf16 on AVX-512 BF16's instructions, else on FMA */
 extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_int4_bf16_op, kiln_attention_op,
     kiln_attention_fp16_cache_op, kiln_swiglu_op;
 

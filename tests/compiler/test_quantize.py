@@ -216,16 +216,23 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     assert ("com.microsoft", "MatMulNBits") in mixed_ops
     assert f"variants/cpu-int8-mixed/{cpu_kernels.KERNEL_DATA_FILE}" not in mixed["files"]
 
-    # 4 bits in blocks of 32: bf16 activations by default (MatMulInt4BlocksBf16), or where this machine
-    # cannot measure those, int8 ones (MatMulInt4Blocks)
+    # 4 bits in blocks of 32: bf16 activations by default (MatMulInt4BlocksBf16, on any CPU the library runs on)
     gptq = manifest["variants"]["cpu-int4-gptq"]
     kernel_ops = [n.op_type for n in onnx.load(str(quantized / gptq["kernel_model"]), load_external_data=False).graph.node]
     nodes = json.loads((quantized / gptq["report"]).read_text())["cpu_kernels"]["nodes"]
-    op = cpu_kernels.INT4_BF16_OP if cpu_kernels.bf16() else cpu_kernels.INT4_BLOCKS_OP
-    assert kernel_ops.count(op) > 0
-    assert nodes == kernel_ops.count(op) + kernel_ops.count(cpu_kernels.ATTENTION_OP)
+    assert kernel_ops.count(cpu_kernels.INT4_BF16_OP) > 0
+    assert nodes == kernel_ops.count(cpu_kernels.INT4_BF16_OP) + kernel_ops.count(cpu_kernels.ATTENTION_OP)
     assert "MatMulNBits" not in kernel_ops
-    assert gptq.get("kernel_activations") == (cpu_kernels.BF16_ACTIVATIONS if cpu_kernels.bf16() else None)
+    assert gptq["kernel_activations"] == cpu_kernels.BF16_ACTIVATIONS
+    # `kiln inspect` says which way this host multiplies them: the FMA path wherever AVX-512 BF16 is not used
+    from runtime.artifact import Artifact
+    from runtime.kiln_cli import _describe_variant
+
+    opened = Artifact.open(quantized)
+    path = "on AVX-512 BF16" if cpu_kernels.bf16() else "on FMAs (the same numbers)"
+    assert f"4-bit activations bfloat16 {path}" in _describe_variant(opened, opened.variant("cpu-int4-gptq"))
+    monkeypatch.setenv(cpu_kernels.BF16_PATH_VARIABLE, "fma")
+    assert "bfloat16 on FMAs (the same numbers)" in _describe_variant(opened, opened.variant("cpu-int4-gptq"))
 
 
 def test_missed_gate_fails_the_compile_with_its_numbers(tiny_checkpoints, tmp_path):
@@ -466,8 +473,6 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
 
     # With bf16 activations the kernel's only other rounding is its offsets': the correction's two parts
     # give each block's within 1/450 of a step (1.3e-4 of the output here), where one part gave 1/30.
-    if not cpu_kernels.bf16():
-        return
     built, _ = kernel_graph(OnnxArtifact(tmp_path / "graph", {}, None, 0, ["model.onnx"]), tmp_path / "bf16",
                             activations="bf16")
     assert built.interface["activations"] == cpu_kernels.BF16_ACTIVATIONS

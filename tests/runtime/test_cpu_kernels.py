@@ -101,17 +101,14 @@ def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
 
 
 @needs_kernels
-def test_a_graph_with_bf16_activations_runs_only_where_the_cpu_has_avx512_bf16(monkeypatch):
-    """A host whose CPU lacks AVX-512 BF16 runs model.onnx for such a variant, and says why."""
+def test_a_graph_with_bf16_activations_runs_wherever_the_library_does(monkeypatch):
+    """Without AVX-512 BF16 the bf16 op runs on FMAs (the same numbers: below), so a variant's kernels'
+    graph is run on any host the library runs on; KILN_CPU_KERNELS_BF16=fma takes that path here too."""
     from runtime.backend import kernel_library
 
     entry = {"kernel_model": "variants/v/model_kernels.onnx", "kernel_activations": cpu_kernels.BF16_ACTIVATIONS}
-    monkeypatch.setattr(cpu_kernels, "bf16", lambda: False)
-    assert kernel_library(entry) is None
-    assert cpu_kernels.library_for_activations(entry["kernel_activations"]) == (
-        None, "this CPU has no AVX-512 BF16, which the graph's bf16 activations need")
-    assert kernel_library({**entry, "kernel_activations": None}) == LIBRARY  # int8 activations: VNNI is enough
-    monkeypatch.setattr(cpu_kernels, "bf16", lambda: True)
+    monkeypatch.setenv(cpu_kernels.BF16_PATH_VARIABLE, "fma")
+    assert cpu_kernels.bf16() is False
     assert kernel_library(entry) == LIBRARY
 
 
@@ -270,6 +267,16 @@ def test_4bit_codes_past_15_and_scales_past_fp16_are_refused():
 
 needs_bf16 = pytest.mark.skipif(LIBRARY is None or not cpu_kernels.bf16(),
                                 reason=f"Kiln's CPU kernels with AVX-512 BF16: {WHY_NOT or 'this CPU has no AVX-512 BF16'}")
+# MatMulInt4BlocksBf16's two ways to its numbers: AVX-512 BF16's instructions, and FMAs (a CPU without them)
+BF16_PATHS = [pytest.param("instructions", marks=needs_bf16), pytest.param("fma", marks=needs_kernels)]
+
+
+@pytest.fixture
+def bf16_path(request, monkeypatch):
+    """The path the sessions a test creates take (the library reads KILN_CPU_KERNELS_BF16 per session)."""
+    if request.param == "fma":
+        monkeypatch.setenv(cpu_kernels.BF16_PATH_VARIABLE, "fma")
+    return request.param
 
 
 def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
@@ -281,9 +288,9 @@ def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
     return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n)
 
 
-@needs_bf16
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
 @pytest.mark.parametrize("k, n", [(64, 40), (576, 960), (1536, 70)])
-def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_each_row_alone_the_same(k, n):
+def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_each_row_alone_the_same(k, n, bf16_path):
     """MatMulInt4BlocksBf16's only rounding before the fp32 sums is the activations' to bf16: the output is
     x rounded to bf16 times the weights d * (q - z) + m exactly, to fp32's summing error."""
     rng = np.random.default_rng(k + 7 * n)
@@ -313,8 +320,8 @@ def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_
     assert np.isfinite(out[0, 0]).all() and np.isnan(out[0, 1]).all()
 
 
-@needs_bf16
-def test_the_bf16_kernel_gated_writes_silu_of_its_gate_tiles_times_its_up_tiles():
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
+def test_the_bf16_kernel_gated_writes_silu_of_its_gate_tiles_times_its_up_tiles(bf16_path):
     """gated = 1: tiles of 16 columns alternate gate and up; the op writes silu(gate) * up, the same
     numbers as the ungated op's columns (the same sums) through the SiLU, and a row alone the same."""
     k, n = 576, 128
@@ -336,3 +343,43 @@ def test_the_bf16_kernel_gated_writes_silu_of_its_gate_tiles_times_its_up_tiles(
         np.testing.assert_allclose(got, gate / (1 + np.exp(-gate.astype(np.float64))) * up, rtol=1e-5, atol=1e-6)
         alone = np.concatenate([gated.run(None, {"A": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
         assert np.array_equal(alone, got)
+
+
+@needs_bf16
+def test_the_bf16_kernel_on_fmas_gives_the_instructions_numbers_bit_for_bit(monkeypatch):
+    """A CPU without AVX-512 BF16 computes MatMulInt4BlocksBf16 with FMAs: each VDPBF16PS pair as two
+    fused multiply-adds in the instruction's order, its activations rounded as VCVTNEPS2BF16 rounds them,
+    denormals flushed as both flush them. The outputs are the same bits, so a variant's numbers do not
+    depend on the host: here for ordinary rows and for rows near fp32's limits (denormal and tiny
+    activations, whose sums fall below the smallest normal; huge ones; infinities and NaN)."""
+    k, n = 576, 128
+    rng = np.random.default_rng(5)
+    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
+    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
+    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float32)
+    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
+    rows = rng.standard_normal((40, k)).astype(np.float32)
+    rows[1] *= np.float32(1e-38)  # mostly denormal
+    rows[2] *= np.float32(2e-36)  # normal, products and their sums near the smallest normal
+    rows[3] *= np.float32(1e30)
+    rows[4, ::7] = np.inf
+    rows[5, 3] = np.nan
+    rows[6] *= np.float32(300)  # gates far below zero: silu near and under the smallest normal
+    rows[7, ::2] = 0
+    rows[8] = rows[8] * np.float32(1e-3) + np.float32(1)  # values on bf16's rounding ties
+    x = rows[None]
+
+    def outputs() -> list[np.ndarray]:
+        sessions = [bf16_session(codes, scales, zero_points, offsets),
+                    one_node_session(helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], K=k, N=n, gated=1,
+                                                      domain=cpu_kernels.DOMAIN),
+                                     [numpy_helper.from_array(packed, "W")], k, n // 2)]
+        return [session.run(None, {"A": part})[0] for session in sessions for part in (x, x[:, :1], x[:, :9])]
+
+    instructions = outputs()
+    monkeypatch.setenv(cpu_kernels.BF16_PATH_VARIABLE, "fma")
+    on_fmas = outputs()
+    for a, b in zip(instructions, on_fmas, strict=True):
+        assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+    assert np.isnan(instructions[0][0, 5]).all() and np.isfinite(instructions[0][0, 0]).all()
