@@ -238,14 +238,22 @@ def int4_reference(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, zero_po
     return y.reshape(*x.shape[:-1], n)
 
 
+def random_int4_weights(rng: np.random.Generator, n: int, k: int, dtype: type = np.float32
+                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """4-bit blocks of 32 as pack_int4_blocks takes them: codes, scales, integer zero points, and offsets of at
+    most half a step; scales and offsets held in `dtype` (fp16: as the kernel holds them, exactly)."""
+    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
+    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(dtype).astype(np.float32)
+    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
+    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(dtype).astype(np.float32)
+    return codes, scales, zero_points, offsets
+
+
 @needs_kernels
 @pytest.mark.parametrize("k, n", [(64, 40), (576, 960), (1536, 70)])
 def test_the_4bit_kernel_computes_its_blocks_and_each_row_alone_the_same(k, n):
     rng = np.random.default_rng(k * n)
-    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
-    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
-    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
-    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float32)  # at most half a step
+    codes, scales, zero_points, offsets = random_int4_weights(rng, n, k)
     kiln = int4_session(codes, scales, zero_points, offsets)
     for rows in (1, 3, 9, 70, 130):
         x = rng.standard_normal((1, rows, k)).astype(np.float32)
@@ -279,13 +287,14 @@ def bf16_path(request, monkeypatch):
     return request.param
 
 
-def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
-                 offsets: np.ndarray) -> ort.InferenceSession:
+def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, offsets: np.ndarray,
+                 gated: int = 0) -> ort.InferenceSession:
     n, blocks, _ = codes.shape
     k = blocks * 32
-    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
+    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n,
+                            gated=gated)
     packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
-    return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n)
+    return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n // 2 if gated else n)
 
 
 @pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
@@ -294,10 +303,7 @@ def test_the_4bit_kernel_with_bf16_activations_multiplies_the_exact_weights_and_
     """MatMulInt4BlocksBf16's only rounding before the fp32 sums is the activations' to bf16: the output is
     x rounded to bf16 times the weights d * (q - z) + m exactly, to fp32's summing error."""
     rng = np.random.default_rng(k + 7 * n)
-    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
-    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float16).astype(np.float32)
-    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
-    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float16).astype(np.float32)
+    codes, scales, zero_points, offsets = random_int4_weights(rng, n, k, np.float16)
     weights = (scales[..., None] * (codes.astype(np.float64) - zero_points[..., None]) + offsets[..., None])
     weights = weights.reshape(n, k).T
     kiln = bf16_session(codes, scales, zero_points, offsets)
@@ -326,14 +332,8 @@ def test_the_bf16_kernel_gated_writes_silu_of_its_gate_tiles_times_its_up_tiles(
     numbers as the ungated op's columns (the same sums) through the SiLU, and a row alone the same."""
     k, n = 576, 128
     rng = np.random.default_rng(11)
-    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
-    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
-    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
-    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float32)
-    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
-    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n, gated=1)
-    gated = one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n // 2)
-    plain = bf16_session(codes, scales, zero_points, offsets)
+    weights = random_int4_weights(rng, n, k)
+    gated, plain = bf16_session(*weights, gated=1), bf16_session(*weights)
     for rows in (1, 5, 40):
         x = rng.standard_normal((1, rows, k)).astype(np.float32)
         sums = plain.run(None, {"A": x})[0].reshape(rows, n // 32, 2, 16)
@@ -354,11 +354,7 @@ def test_the_bf16_kernel_on_fmas_gives_the_instructions_numbers_bit_for_bit(monk
     activations, whose sums fall below the smallest normal; huge ones; infinities and NaN)."""
     k, n = 576, 128
     rng = np.random.default_rng(5)
-    codes = rng.integers(0, 16, (n, k // 32, 32), dtype=np.uint8)
-    scales = (rng.random((n, k // 32)) * 0.01 + 0.001).astype(np.float32)
-    zero_points = rng.integers(4, 12, (n, k // 32), dtype=np.uint8)
-    offsets = (scales * (rng.random((n, k // 32)) - 0.5)).astype(np.float32)
-    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
+    weights = random_int4_weights(rng, n, k)
     rows = rng.standard_normal((40, k)).astype(np.float32)
     rows[1] *= np.float32(1e-38)  # mostly denormal
     rows[2] *= np.float32(2e-36)  # normal, products and their sums near the smallest normal
@@ -371,10 +367,7 @@ def test_the_bf16_kernel_on_fmas_gives_the_instructions_numbers_bit_for_bit(monk
     x = rows[None]
 
     def outputs() -> list[np.ndarray]:
-        sessions = [bf16_session(codes, scales, zero_points, offsets),
-                    one_node_session(helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], K=k, N=n, gated=1,
-                                                      domain=cpu_kernels.DOMAIN),
-                                     [numpy_helper.from_array(packed, "W")], k, n // 2)]
+        sessions = [bf16_session(*weights), bf16_session(*weights, gated=1)]
         return [session.run(None, {"A": part})[0] for session in sessions for part in (x, x[:, :1], x[:, :9])]
 
     instructions = outputs()
