@@ -36,8 +36,8 @@ step 1.13x MLAS's at 8 bits, where both read the weights at about the memory's r
 int8 activations, which MLAS unpacks more slowly; from 32 rows up MLAS is bound by its per-block work (1.4x
 to 1.7x). With bf16 activations the 4-bit step is 0.93x the int8-activation kernel's at batch 1, 0.70x and
 0.66x at 8 and 32: VDPBF16PS makes half of VNNI's products an instruction, and this CPU issues it no faster
-than an FMA. On FMAs alone, as a CPU without AVX-512 BF16 runs it: 0.87x, 0.83x and 0.73x the bf16
-instructions' step, 1.38x, 1.17x and 0.94x MLAS's int4 step (which has int8 activations). The attention op
+than an FMA. On FMAs alone, as a CPU without AVX-512 BF16 runs it: 0.91x, 0.66x and 0.65x the bf16
+instructions' step, 1.59x, 1.12x and 1.08x MLAS's int4 step (which has int8 activations). The attention op
 alone: 1.98x ONNX Runtime's at batch 1, 2.30x and 1.92x at batch 8 and 32 (decode,
 45 to 77 cached tokens), 1.83x for a 49-token prompt; a batch-32 decode step of int8 1.16x, int4 1.19x and
 fp32 1.07x faster with it.
@@ -64,6 +64,7 @@ ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attri
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
+BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the bf16 op's FMA path on a CPU with AVX-512 BF16 too
 LIBRARY_VERSION = 6  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 BF16_ACTIVATIONS = "bfloat16"  # the manifest's kernel_activations where 4-bit nodes round activations to bf16
 
@@ -88,10 +89,6 @@ def library() -> tuple[Path | None, str]:
     if not loaded.kiln_cpu_kernels_supported():
         return None, "this CPU has no AVX-512 VNNI"
     return path, ""
-
-
-
-BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the FMA path on a CPU with AVX-512 BF16 too
 
 
 def bf16() -> bool:

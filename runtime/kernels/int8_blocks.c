@@ -20,8 +20,9 @@
    is fp16) and the 16 zero points, 336 bytes.
 
    ai.kiln::MatMulInt4BlocksBf16(A, W) takes MatMulInt4Blocks' weights with their codes in another order
-   (bf16_layout) and its activations rounded to bf16 instead of in int8 blocks, on AVX-512 BF16 (below,
-   "4-bit weights times bf16 activations"). An op of its own, not an attribute: a library that does not
+   (bf16_layout) and its activations rounded to bf16 instead of in int8 blocks, on AVX-512 BF16's
+   instructions or, on a CPU without them, fused multiply-adds that give the same bits (below, "4-bit
+   weights times bf16 activations"). An op of its own, not an attribute: a library that does not
    know it refuses the graph instead of reading the codes in the other order.
 
    With the attribute gated = 1 either op writes silu(gate) * up, N / 2 columns, where W's tiles of 16
@@ -30,8 +31,8 @@
    without three more nodes a layer.
 
    Each row is computed by the same instructions in the same order whatever the batch, the thread
-   count or the CPU (for MatMulInt4BlocksBf16, any with AVX-512 BF16), so a sequence's logits do not
-   depend on what else is in the batch or on the host.
+   count or the CPU (MatMulInt4BlocksBf16 by one of two sequences with the same roundings), so a
+   sequence's logits do not depend on what else is in the batch or on the host.
 
    The ops' tables are at the end; library.c registers them (the ai.kiln domain). */
 
@@ -338,7 +339,7 @@ static inline __attribute__((always_inline)) void run_shard(const Job* job, size
 
    MatMulInt4BlocksBf16 rounds the activations to bf16 (to nearest even)
    instead of quantizing them per block to int8, and multiplies them by the weights with AVX-512 BF16's
-   VDPBF16PS: two products a lane, summed in fp32. A 4-bit code q is exact in bf16 as 128 + q (the bits
+   VDPBF16PS (or its two FMAs, fma_tile_sums): two products a lane, summed in fp32. A 4-bit code q is exact in bf16 as 128 + q (the bits
    0x4300 | q), so a block adds d * sum(a (128 + q)) + (m - d (z + 128)) * sum(a), the second sum over
    the bf16 activations in fp32: what d (q - z) + m gives, with no rounding of the activations past
    bf16's. SmolLM2's int4 (Q4_1 weights kept exactly): 17 of 3,177 held-out next-token predictions off
