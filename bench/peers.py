@@ -180,14 +180,17 @@ class Kiln:
             backend = OnnxRuntimeBackend(opened.folder / entry["model"], entry["interface"], threads=threads)
             self.generator = Generator(opened, backend, Tokenizer(opened.tokenizer_dir), max(BATCHES))
         else:
-            # fma: the bf16 kernel's FMA path, which a CPU without AVX-512 BF16 takes (read per session)
+            # fma: the bf16 kernel's FMA path, which a CPU without AVX-512 BF16 takes (read per session);
+            # else the path this CPU takes, whatever the caller's environment says
+            before = os.environ.pop(cpu_kernels.BF16_PATH_VARIABLE, None)
             if fma:
                 os.environ[cpu_kernels.BF16_PATH_VARIABLE] = "fma"
             try:
                 self.generator = Generator.load(artifact, variant, threads=threads, max_batch_size=max(BATCHES))
             finally:
-                if fma:
-                    os.environ.pop(cpu_kernels.BF16_PATH_VARIABLE)
+                os.environ.pop(cpu_kernels.BF16_PATH_VARIABLE, None)
+                if before is not None:
+                    os.environ[cpu_kernels.BF16_PATH_VARIABLE] = before
         manifest = json.loads((Path(artifact) / "manifest.json").read_text())
         # What decides its numbers and its speed: the graph's bytes, the kernels, and whether prompts
         # prefill in one step (a build from before `kernel_prefill` runs the same graph row by row).

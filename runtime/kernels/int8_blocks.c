@@ -416,7 +416,9 @@ static inline __attribute__((always_inline, target("avx512bf16"))) void bf16_til
    word first, as the instruction adds them (a product of two bf16 values is exact in fp32, so each add
    rounds once either way); its codes split into the pair's two fp32 values, its activations held in
    fp32 (fma_row). With denormals flushed as the instruction flushes them (run_shard_bf16_with), the
-   sums are the same bit for bit, checked on 32 million random lanes and on SmolLM2's logits. */
+   sums are the same bit for bit (Intel's definition of the instruction; checked on an AMD EPYC, on 32
+   million random lanes, SmolLM2's logits and tests/runtime/test_cpu_kernels.py), but for a NaN's sign
+   and payload where two NaNs meet in one sum: a NaN either way. */
 static inline __attribute__((always_inline)) __m512 fma_pair_product(__m512 chain, __m512 low, __m512 high, const float* a) {
     return _mm512_fmadd_ps(low, _mm512_set1_ps(a[0]), _mm512_fmadd_ps(high, _mm512_set1_ps(a[1]), chain));
 }
@@ -490,10 +492,12 @@ static inline __attribute__((always_inline)) void bf16_rows_of_tile(const Job* j
 
 /* The shard's items with denormals flushed to zero, in and out (MXCSR's FTZ and DAZ), as VDPBF16PS
    flushes them: the FMA path then gives its sums bit for bit wherever they come near fp32's smallest
-   normal, and both paths flush the silu and block ends alike. */
+   normal, and both paths flush the silu and block ends alike. Rounding to nearest even and exceptions
+   masked, as the instruction has them whatever the thread's MXCSR says; the thread's own comes back after. */
 static inline __attribute__((always_inline)) void run_shard_bf16_with(const Job* job, size_t shard, Bf16Sums sums) {
+    const unsigned int flush = 0x8040, masked = 0x1F80, rounding = 0x6000;
     unsigned int mxcsr = _mm_getcsr();
-    _mm_setcsr(mxcsr | 0x8040);
+    _mm_setcsr((mxcsr & ~rounding) | flush | masked);
     for (int64_t i = shard_start(job, shard); i < shard_start(job, shard + 1); i++) {
         Item item = item_of(job, i);
         for (int64_t t = item.t0; t < item.t1; t += 1 + job->w->gated) {

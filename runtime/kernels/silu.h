@@ -8,7 +8,9 @@
 
 /* x * logistic(x) with the instructions of ONNX Runtime's Sigmoid and QuickGelu on x86-64 (MLAS's FMA3
    logistic kernel: clamp to +-18, an odd polynomial over an even one, + 0.5, floor 0), so a fused
-   gate gives bit for bit the values of the Split, QuickGelu and Mul it replaces (tested). */
+   gate gives bit for bit the values of the Split, QuickGelu and Mul it replaces (tested), but in
+   MatMulInt4BlocksBf16, whose shards flush denormals to zero (int8_blocks.c, run_shard_bf16_with): there
+   a gate, an up or a product under fp32's smallest normal (about 1e-38) becomes 0. */
 static inline __m512 silu(__m512 x) {
     __m512 c = _mm512_min_ps(_mm512_set1_ps(18.0f), _mm512_max_ps(_mm512_set1_ps(-18.0f), x));
     __m512 x2 = _mm512_mul_ps(c, c);

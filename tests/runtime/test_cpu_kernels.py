@@ -376,3 +376,25 @@ def test_the_bf16_kernel_on_fmas_gives_the_instructions_numbers_bit_for_bit(monk
     for a, b in zip(instructions, on_fmas, strict=True):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
     assert np.isnan(instructions[0][0, 5]).all() and np.isfinite(instructions[0][0, 0]).all()
+
+
+@pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
+def test_the_bf16_kernel_gives_the_thread_its_own_floating_point_modes_back(bf16_path):
+    """Its shards flush denormals to zero (as VDPBF16PS does) on whatever thread runs them, the caller's
+    included (one thread: ONNX Runtime runs the op on it): afterwards that thread's denormals are kept."""
+    k, n = 64, 32
+    weights = random_int4_weights(np.random.default_rng(3), n, k)
+    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
+    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(*weights), k)
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", n])],
+                              [numpy_helper.from_array(packed, "W")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    options.register_custom_ops_library(str(LIBRARY))
+    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    tiny = np.full(8, 1e-38, np.float32)
+    assert (tiny * np.float32(0.5) > 0).all()  # a denormal, not flushed
+    session.run(None, {"A": np.ones((3, k), np.float32)})
+    assert (tiny * np.float32(0.5) > 0).all()
