@@ -35,14 +35,14 @@ def session(op: str, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     return one_node_session(node, weights, k, n)
 
 
-def one_node_session(node, weights: list, k: int, n: int) -> ort.InferenceSession:
-    """A session of `node` alone, A [b, s, K] -> Y [b, s, N], 2 threads, Kiln's library registered for
-    its ops."""
+def one_node_session(node, weights: list, k: int, n: int, threads: int = 2) -> ort.InferenceSession:
+    """A session of `node` alone, A [b, s, K] -> Y [b, s, N], on `threads` threads, Kiln's library
+    registered for its ops."""
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
                               [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", n])], weights)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
     options = ort.SessionOptions()
-    options.intra_op_num_threads = 2
+    options.intra_op_num_threads = threads
     if node.domain == cpu_kernels.DOMAIN:
         options.register_custom_ops_library(str(LIBRARY))
     return ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
@@ -288,13 +288,13 @@ def bf16_path(request, monkeypatch):
 
 
 def bf16_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray, offsets: np.ndarray,
-                 gated: int = 0) -> ort.InferenceSession:
+                 gated: int = 0, threads: int = 2) -> ort.InferenceSession:
     n, blocks, _ = codes.shape
     k = blocks * 32
     node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n,
                             gated=gated)
     packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(codes, scales, zero_points, offsets), k)
-    return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n // 2 if gated else n)
+    return one_node_session(node, [numpy_helper.from_array(packed, "W")], k, n // 2 if gated else n, threads)
 
 
 @pytest.mark.parametrize("bf16_path", BF16_PATHS, indirect=True)
@@ -383,18 +383,8 @@ def test_the_bf16_kernel_gives_the_thread_its_own_floating_point_modes_back(bf16
     """Its shards flush denormals to zero (as VDPBF16PS does) on whatever thread runs them, the caller's
     included (one thread: ONNX Runtime runs the op on it): afterwards that thread's denormals are kept."""
     k, n = 64, 32
-    weights = random_int4_weights(np.random.default_rng(3), n, k)
-    node = helper.make_node(cpu_kernels.INT4_BF16_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN, K=k, N=n)
-    packed = cpu_kernels.bf16_layout(cpu_kernels.pack_int4_blocks(*weights), k)
-    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", k])],
-                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", n])],
-                              [numpy_helper.from_array(packed, "W")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
-    options = ort.SessionOptions()
-    options.intra_op_num_threads = 1
-    options.register_custom_ops_library(str(LIBRARY))
-    session = ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    session = bf16_session(*random_int4_weights(np.random.default_rng(3), n, k), threads=1)
     tiny = np.full(8, 1e-38, np.float32)
     assert (tiny * np.float32(0.5) > 0).all()  # a denormal, not flushed
-    session.run(None, {"A": np.ones((3, k), np.float32)})
+    session.run(None, {"A": np.ones((1, 3, k), np.float32)})
     assert (tiny * np.float32(0.5) > 0).all()
