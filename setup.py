@@ -1,5 +1,5 @@
-"""Kiln's CPU kernels (runtime/kernels/*.c: matmuls of int8 and int4 blocks, attention, SwiGLU), built into a
-shared library that ONNX Runtime loads as a custom-op library (runtime/cpu_kernels.py).
+"""Kiln's CPU kernels (runtime/kernels/*.c: matmuls of int8 and int4 blocks and of fp32, attention, SwiGLU),
+built into a shared library that ONNX Runtime loads as a custom-op library (runtime/cpu_kernels.py).
 Everything else about the package is in pyproject.toml.
 
 The build is optional: a host without a C compiler, or with a CPU other than x86-64, installs Kiln
@@ -15,7 +15,7 @@ X86 = platform.machine().lower() in ("x86_64", "amd64")
 # the same code either way).
 FLAGS = ["-O3", "-pthread", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512vnni", "-mfma", "-ffp-contract=off"]
 
-SOURCES = [f"runtime/kernels/{name}.c" for name in ("library", "int8_blocks", "attention", "swiglu")]
+SOURCES = [f"runtime/kernels/{name}.c" for name in ("library", "int8_blocks", "attention", "swiglu", "matmul_fp32")]
 
 HEADERS = [f"runtime/kernels/{name}.h" for name in ("ort_api", "silu")]
 

@@ -12,11 +12,16 @@ warm-up. Also measures memory read bandwidth and prints the floor for a batch-1 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
 import importlib.util
 import json
 import os
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -52,6 +57,31 @@ def read_bandwidth_gbs(threads: int) -> float:
             list(pool.map(np.max, parts))
             best = min(best, time.perf_counter() - start)
     return data.nbytes / best / 1e9
+
+
+@functools.cache
+def _read_rate_library() -> ctypes.CDLL | None:
+    """bench/read_rate.c built with this host's C compiler (once a process, in a temporary folder); None
+    where there is none."""
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        return None
+    built = Path(tempfile.mkdtemp(prefix="kiln-read-rate-")) / "read_rate.so"
+    made = subprocess.run([compiler, "-O3", "-march=native", "-pthread", "-shared", "-fPIC",
+                           str(Path(__file__).with_name("read_rate.c")), "-o", str(built)], capture_output=True)
+    if made.returncode:
+        return None
+    library = ctypes.CDLL(str(built))
+    library.read_streams_gbs.restype = ctypes.c_double
+    library.read_streams_gbs.argtypes = [ctypes.c_int, ctypes.c_int]
+    return library
+
+
+def read_streams_gbs(threads: int) -> float | None:
+    """The read rate over 1 GiB with 1 to 16 streams a thread on 2 MB pages (bench/read_rate.c), the best
+    of 5 reads at each; None where no C compiler is at hand."""
+    library = _read_rate_library()
+    return (library.read_streams_gbs(threads, 5) or None) if library else None
 
 
 def bench_kiln(artifact: Path, prompts: list[list[int]], new_tokens: int, repeats: int, threads: int,

@@ -154,8 +154,10 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     MatMulNBits in blocks of 32 with int8 activations as ai.kiln::MatMulInt8Blocks (8 bits) or
     MatMulInt4Blocks (4 bits), its weights packed into the kernel's layout in KERNEL_DATA_FILE, each
     GroupQueryAttention the kernel takes as ai.kiln::GroupQueryAttention (same inputs and attributes),
-    and every other weight read from `graph`'s weights file; and how many nodes it runs. None and why
-    not where no node qualifies. An fp32 graph gets one for its attention and SwiGLUs.
+    each MatMul by fp32 weights as ai.kiln::MatMulFp32 over the same initializer (a Transpose of one, as a
+    tied LM head has, read through the op's transB), and every other weight read from `graph`'s weights
+    file; and how many nodes it runs. None and why not where no node qualifies. An fp32 graph gets one
+    for its MatMuls, attention and SwiGLUs.
 
     A 4-bit node that reads its activations' block means beside them (a Q4_1 grid's zero-point
     correction, compiler/quantize.py _encode_int4_grid) becomes one node on the activations alone: the
@@ -177,13 +179,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     does but sum in another order (the bf16 one rounds them to bf16 instead), and int8 activations carry a
     last-bit difference into other roundings a layer later (SmolLM2 int8: top-1 0.985 on MLAS, 0.973 and 0.980
     with two orders of the kernel's sums), so the two graphs agree to int8's accuracy, not to fp32's
-    tolerance. The attention kernel gives ONNX Runtime's numbers bit for bit, so an fp32 graph's are
-    model.onnx's."""
+    tolerance. The attention and SwiGLU kernels give ONNX Runtime's numbers bit for bit; MatMulFp32 sums in
+    blocks of its own, so an fp32 graph's logits are model.onnx's to fp32's rounding."""
     import onnx
 
     from runtime import cpu_kernels
     from runtime.backend import with_kv_dtype
-    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE, SWIGLU_OP
+    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, FP32_MATMUL_OP, KERNEL_DATA_FILE, SWIGLU_OP
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
@@ -201,11 +203,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
         for subgraph in [a.g] * a.HasField("g") + list(a.graphs) for name in _names_read(subgraph)}
     gated = {node.name: found for node, made in eligible if made.n % 32 == 0  # the kernel's tiles in pairs
              and (found := _swiglu_after(node.output[0], made.n, readers, initializers, outside)) is not None}
-    swiglus = [found for node in proto.graph.node if (n := _fp32_matmul_columns(node, initializers))
-               and (found := _swiglu_after(node.output[0], n, readers, initializers, outside)) is not None]
-    if not eligible and not attentions and not swiglus:
+    fp32_matmuls = [(node, found) for node in proto.graph.node
+                    if (found := _fp32_matmul_weights(node, initializers, producers)) is not None]
+    swiglus = [found for node, (_, _, n) in fp32_matmuls
+               if (found := _swiglu_after(node.output[0], n, readers, initializers, outside)) is not None]
+    if not eligible and not attentions and not swiglus and not fp32_matmuls:
         return None, ("no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations, no "
-                      "GroupQueryAttention the kernel takes and no SwiGLU after an fp32 MatMul in the graph")
+                      "GroupQueryAttention the kernel takes and no MatMul by fp32 weights in the graph")
     for node in attentions:  # same inputs and attributes
         node.domain, node.op_type = DOMAIN, ATTENTION_OP
     folder.mkdir(parents=True)
@@ -220,6 +224,16 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
         product.domain, product.op_type = DOMAIN, SWIGLU_OP
         product.input[:] = [split.input[0]]
         del product.attribute[:]
+    transposes = [producers[node.input[1]] for node, (_, transposed, _) in fp32_matmuls if transposed]
+    for node, (weights, transposed, _) in fp32_matmuls:  # same inputs, or the transposed initializer itself
+        node.domain, node.op_type = DOMAIN, FP32_MATMUL_OP
+        if transposed:
+            node.input[1] = weights
+            node.attribute.append(onnx.helper.make_attribute("transB", 1))
+    read = _names_read(proto.graph) | outside
+    for transpose in {id(t): t for t in transposes}.values():  # one Transpose may feed several
+        if transpose.output[0] not in read:
+            proto.graph.node.remove(transpose)
     with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
@@ -279,7 +293,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     onnx.save(proto, str(folder / MODEL_FILE))
     built = saved_graph(folder, interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
-        len(eligible) + len(attentions) + len(swiglus)
+        len(eligible) + len(attentions) + len(swiglus) + len(fp32_matmuls)
 
 
 def _half_cache(proto: Any, attentions: list[Any]) -> bool:
@@ -389,14 +403,27 @@ def _kernel_attention(node: Any, graph: Any) -> bool:
     return 0 < head_size <= 256 and head_size % 16 == 0 and pasts[1].shape.dim[3].dim_value == head_size
 
 
-def _fp32_matmul_columns(node: Any, initializers: dict[str, Any]) -> int | None:
-    """N for an ONNX MatMul of activations by fp32 weights [K, N] held in an initializer; else None."""
+def _fp32_matmul_weights(node: Any, initializers: dict[str, Any],
+                         producers: dict[str, Any]) -> tuple[str, bool, int] | None:
+    """For an ONNX MatMul by fp32 weights: the initializer holding them, whether the graph transposes it
+    first ([K, N] read as it is, or [N, K] through a Transpose: a tied LM head reads the embeddings so),
+    and N. Else None."""
     import onnx
 
-    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx") or node.input[1] not in initializers:
+    if node.op_type != "MatMul" or node.domain not in ("", "ai.onnx"):
         return None
-    weights = initializers[node.input[1]]
-    return weights.dims[1] if weights.data_type == onnx.TensorProto.FLOAT and len(weights.dims) == 2 else None
+    name, transposed = node.input[1], False
+    transpose = producers.get(name)
+    if name not in initializers and transpose is not None and transpose.op_type == "Transpose" \
+            and transpose.domain in ("", "ai.onnx"):
+        perm = next((list(onnx.helper.get_attribute_value(a)) for a in transpose.attribute if a.name == "perm"), [1, 0])
+        name, transposed = transpose.input[0], perm == [1, 0]
+        if not transposed:
+            return None
+    weights = initializers.get(name)
+    if weights is None or weights.data_type != onnx.TensorProto.FLOAT or len(weights.dims) != 2:
+        return None
+    return name, transposed, weights.dims[0 if transposed else 1]
 
 
 def _swiglu_after(output: str, n: int, readers: dict[str, list[Any]], initializers: dict[str, Any],

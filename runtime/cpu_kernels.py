@@ -18,8 +18,12 @@ KERNEL_MODEL_FILE:
   `kernel_kv_cache`), the same sums over the values the cache holds;
 - after an fp32 MatMul of a SwiGLU's packed gate and up projections, its Split, Sigmoid and two Muls as
   one ai.kiln::SwiGLU, bit for bit the same numbers in one pass (an fp32 variant's MLP, or a layer a
-  quantized variant kept in fp32).
-fp32 variants get a kernels' graph for their attention and SwiGLUs. A 4-bit node with the recipe's
+  quantized variant kept in fp32);
+- each MatMul by fp32 weights (an initializer [K, N], or the transpose of one [N, K]: a tied LM head) as
+  ai.kiln::MatMulFp32 over the same initializer, which the op packs into panels of 16 columns when the
+  session starts: each output summed in an order fixed by K alone (rows, tiles and threads aside), so a
+  row's numbers are the same in any batch, to MLAS's accuracy but not its bits.
+fp32 variants get a kernels' graph for their MatMuls, attention and SwiGLUs. A 4-bit node with the recipe's
 `activations: bf16` (int4's default) is ai.kiln::MatMulInt4BlocksBf16: its activations rounded to bf16
 rather than in int8 blocks, its codes in bf16_layout's order (the manifest's `kernel_activations`): on
 AVX-512 BF16's instructions where the CPU has them, else the same numbers bit for bit on fused
@@ -40,7 +44,8 @@ than an FMA. On FMAs alone, as a CPU without AVX-512 BF16 runs it: 0.91x, 0.66x 
 instructions' step, 1.59x, 1.12x and 1.08x MLAS's int4 step (which has int8 activations). The attention op
 alone: 1.98x ONNX Runtime's at batch 1, 2.30x and 1.92x at batch 8 and 32 (decode,
 45 to 77 cached tokens), 1.83x for a 49-token prompt; a batch-32 decode step of int8 1.16x, int4 1.19x and
-fp32 1.07x faster with it.
+fp32 1.07x faster with it. The fp32 MatMuls: SmolLM2's fp32 decode step 1.19x, 1.26x and 1.08x MLAS's at
+batch 1, 8 and 32, a 32-prompt prefill 1.05x (matmul_fp32.c says why).
 """
 
 from __future__ import annotations
@@ -63,9 +68,10 @@ INT4_BF16_OP = "MatMulInt4BlocksBf16"  # its weights in bf16_layout's order, its
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
+FP32_MATMUL_OP = "MatMulFp32"  # ONNX MatMul by fp32 weights [K, N]: each output one FMA chain over k
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
 BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the bf16 op's FMA path on a CPU with AVX-512 BF16 too
-LIBRARY_VERSION = 6  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 7  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 BF16_ACTIVATIONS = "bfloat16"  # the manifest's kernel_activations where 4-bit nodes round activations to bf16
 
 

@@ -1,6 +1,6 @@
 /* Kiln's CPU kernels as one ONNX Runtime custom-op library: the domain ai.kiln with its ops
    (int8_blocks.c: MatMulInt8Blocks, MatMulInt4Blocks; attention.c: GroupQueryAttention; swiglu.c:
-   SwiGLU), and the helpers they share. runtime/cpu_kernels.py loads it, checks the CPU first (kiln_cpu_kernels_supported)
+   SwiGLU; matmul_fp32.c: MatMulFp32), and the helpers they share. runtime/cpu_kernels.py loads it, checks the CPU first (kiln_cpu_kernels_supported)
    and registers it with each session that runs a kernels' graph. */
 
 #include <pthread.h>
@@ -21,8 +21,9 @@ const OrtApi* kiln_api;
    numbers or contract change: a library built from older sources (an editable checkout not rebuilt)
    is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). 3: the
    op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). 5:
-   MatMulInt4BlocksBf16 (int8_blocks.c). 6: MatMulInt4BlocksBf16 on CPUs without AVX-512 BF16 too. */
-int kiln_cpu_kernels_version(void) { return 6; }
+   MatMulInt4BlocksBf16 (int8_blocks.c). 6: MatMulInt4BlocksBf16 on CPUs without AVX-512 BF16 too. 7: the
+   op MatMulFp32 (matmul_fp32.c). */
+int kiln_cpu_kernels_version(void) { return 7; }
 
 /* Whether MatMulInt4BlocksBf16 runs AVX-512 BF16's instructions here, or their numbers with fused
    multiply-adds (no AVX-512 BF16, or KILN_CPU_KERNELS_BF16=fma: to measure that path on a CPU with it). */
@@ -114,7 +115,8 @@ void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void*
    (MADV_PAGEOUT: a mapping of the file reads the same bytes again if anything touches it), so the
    process holds the weights once. A chunk goes when the last kernel in it does. The cost: processes
    on one host no longer share the file's pages (ONNX Runtime's prepacked fp32 weights never did);
-   KILN_KERNEL_WEIGHTS=mapped leaves the weights where ONNX Runtime mapped them. */
+   KILN_KERNEL_WEIGHTS=mapped leaves the weights where ONNX Runtime mapped them, except MatMulFp32's,
+   which the op packs into a layout of its own when the session starts (matmul_fp32.c). */
 
 #define HUGE_PAGE ((size_t)2 << 20)
 #define CHUNK_BYTES ((size_t)64 << 20)
@@ -145,10 +147,7 @@ static Chunk* new_chunk(size_t bytes) {
     return chunk;
 }
 
-const void* kiln_weights_copy(const void* weights, size_t bytes, void** owner) {
-    *owner = NULL;
-    const char* choice = getenv("KILN_KERNEL_WEIGHTS");
-    if (choice && strcmp(choice, "mapped") == 0) return NULL;  /* one copy for every process on the host */
+void* kiln_weights_place(size_t bytes, void** owner) {
     pthread_mutex_lock(&chunks_lock);
     Chunk* chunk = chunks && chunks->size - chunks->used >= bytes ? chunks : NULL;
     if (!chunk && (chunk = new_chunk(bytes))) {
@@ -160,20 +159,32 @@ const void* kiln_weights_copy(const void* weights, size_t bytes, void** owner) {
             chunks = chunk;
         }
     }
-    char* copy = NULL;
+    char* place = NULL;
     if (chunk) {
-        copy = chunk->base + chunk->used;
+        place = chunk->base + chunk->used;
         chunk->used += (bytes + 63) / 64 * 64;
         chunk->kernels++;
     }
     pthread_mutex_unlock(&chunks_lock);
     *owner = chunk;
-    if (!copy) return NULL;
-    memcpy(copy, weights, bytes);
+    return place;
+}
+
+void kiln_weights_drop(const void* weights, size_t bytes) {
     uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
     uintptr_t first = ((uintptr_t)weights + page - 1) & ~(uintptr_t)(page - 1);
     uintptr_t last = ((uintptr_t)weights + bytes) & ~(uintptr_t)(page - 1);
     if (last > first) madvise((void*)first, last - first, MADV_PAGEOUT);  /* best effort: never loses data */
+}
+
+const void* kiln_weights_copy(const void* weights, size_t bytes, void** owner) {
+    *owner = NULL;
+    const char* choice = getenv("KILN_KERNEL_WEIGHTS");
+    if (choice && strcmp(choice, "mapped") == 0) return NULL;  /* one copy for every process on the host */
+    void* copy = kiln_weights_place(bytes, owner);
+    if (!copy) return NULL;
+    memcpy(copy, weights, bytes);
+    kiln_weights_drop(weights, bytes);
     return copy;
 }
 
@@ -222,7 +233,7 @@ static void setup(void) {
         return;
     }
     OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_int4_bf16_op, &kiln_attention_op,
-                          &kiln_attention_fp16_cache_op, &kiln_swiglu_op};
+                          &kiln_attention_fp16_cache_op, &kiln_swiglu_op, &kiln_matmul_fp32_op};
     OrtCustomOpDomain* made = NULL;
     OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
     for (size_t i = 0; !status && i < sizeof ops / sizeof *ops; i++)

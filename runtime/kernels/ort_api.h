@@ -85,10 +85,10 @@ typedef struct OrtCustomOp {
     /* later fields (shape inference, version ranges, in-place maps) are not read at OP_VERSION */
 } OrtCustomOp;
 
-/* The ops, one table each (int8_blocks.c, attention.c, swiglu.c). */
+/* The ops, one table each (int8_blocks.c, attention.c, swiglu.c, matmul_fp32.c). */
 int kiln_cpu_kernels_bf16(void);  /* MatMulInt4BlocksBf16 on AVX-512 BF16's instructions, else on FMA */
 extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_int4_bf16_op, kiln_attention_op,
-    kiln_attention_fp16_cache_op, kiln_swiglu_op;
+    kiln_attention_fp16_cache_op, kiln_swiglu_op, kiln_matmul_fp32_op;
 
 /* -- shared by the ops (library.c) ----------------------------------------------------------------- */
 
@@ -113,6 +113,10 @@ void kiln_parallel(void* context, void (*fn)(void*, size_t), size_t total, void*
    takes back when the kernel goes. */
 const void* kiln_weights_copy(const void* weights, size_t bytes, void** chunk);
 void kiln_weights_release(void* chunk);
+/* Room for `bytes` of an op's weights in those chunks (64-byte aligned; NULL where none could be had),
+   for an op that writes its own layout there; and the pages of ONNX Runtime's copy given back. */
+void* kiln_weights_place(size_t bytes, void** chunk);
+void kiln_weights_drop(const void* weights, size_t bytes);
 
 /* What every Kiln op answers alike: it runs on the CPU provider, its inputs are in CPU memory, its
    outputs are fp32 and always written, and its kernel is one block from malloc. An op's table starts

@@ -4,6 +4,7 @@ under ONNX Runtime, the shared-buffer KV interface, and the TensorRT graph check
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -241,14 +242,16 @@ def test_a_kernels_graph_folds_the_swiglu_after_a_gate_up_projection_bit_for_bit
     assert run(tmp_path / "also_read")[1][1:] == ["Split", "Sigmoid", "Mul", "Mul"]
 
 
-def test_an_fp32_variant_runs_its_attention_and_swiglu_in_kilns_kernels_bit_for_bit(tiny_artifacts, tiny_checkpoints,
-                                                                                      family):
-    """Every family's fused fp32 variant ships a kernels' graph where its GroupQueryAttention nodes are
-    ones the kernel takes (runtime/kernels/attention.c), or its MLP is a SwiGLU: ai.kiln::GroupQueryAttention
-    in their place, one ai.kiln::SwiGLU for each packed gate/up MatMul's Split, Sigmoid and two Muls, and
-    nothing else changed, giving model.onnx's logits bit for bit through a prefill and decode steps, in
-    Kiln's layout and the left-padded one."""
-    from compiler.optimize import CHECK_PADS, CHECK_PROMPT, CHECK_STEPS, _greedy_steps
+def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(tiny_artifacts, tiny_checkpoints,
+                                                                                family, tmp_path):
+    """Every family's fused fp32 variant ships a kernels' graph: each MatMul by fp32 weights as
+    ai.kiln::MatMulFp32 (a tied LM head reading the embeddings itself, transB, its Transpose gone), each
+    GroupQueryAttention the kernel takes (runtime/kernels/attention.c) as ai.kiln::GroupQueryAttention, one
+    ai.kiln::SwiGLU for each packed gate/up MatMul's Split, Sigmoid and two Muls, and nothing else changed.
+    Through a prefill and decode steps, in Kiln's layout and the left-padded one, it gives model.onnx's logits
+    to fp32's rounding; with its MatMulFp32 nodes back as ONNX's MatMuls, bit for bit (the attention and
+    SwiGLU kernels' numbers are ONNX Runtime's)."""
+    from compiler.optimize import CHECK_PADS, CHECK_PROMPT, CHECK_STEPS, _fp32_matmul_weights, _greedy_steps
     from runtime import cpu_kernels
     from runtime.backend import OnnxRuntimeBackend
 
@@ -258,12 +261,15 @@ def test_an_fp32_variant_runs_its_attention_and_swiglu_in_kilns_kernels_bit_for_
     # A sliding window (Mistral, Starcoder2, Gemma 2) or a softcap (Gemma 2) stays ONNX Runtime's
     taken = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and not any(
         (a.name == "local_window_size" and a.i != -1) or (a.name == "softcap" and a.f != 0) for a in n.attribute)]
-    readers = {}
+    readers, producers = {}, {output: node for node in graph.graph.node for output in node.output}
     for node in graph.graph.node:
         for name in node.input:
             readers.setdefault(name, []).append(node)
+    initializers = {i.name: i for i in graph.graph.initializer}
+    matmuls = [n for n in graph.graph.node if _fp32_matmul_weights(n, initializers, producers)]
+    transposed = [producers[n.input[1]] for n in matmuls if n.input[1] not in initializers]
     swiglus = []  # (Split, Sigmoid, SiLU's Mul, the product's Mul) after a packed gate/up MatMul
-    for matmul in [n for n in graph.graph.node if n.op_type == "MatMul"]:
+    for matmul in matmuls:
         split = readers.get(matmul.output[0], [None])[0]
         sigmoid = next((r for r in readers.get(split.output[0], []) if r.op_type == "Sigmoid"), None) \
             if split is not None and split.op_type == "Split" else None
@@ -271,9 +277,10 @@ def test_an_fp32_variant_runs_its_attention_and_swiglu_in_kilns_kernels_bit_for_
             silu = readers[sigmoid.output[0]][0]
             swiglus.append((split, sigmoid, silu, readers[silu.output[0]][0]))
     library = cpu_kernels.library()[0]
-    if library is None or not (taken or swiglus):
+    if library is None:
         assert "kernel_model" not in entry
         return
+    assert matmuls
     assert entry["kernel_model"] == "variants/cpu-fp32/model_kernels.onnx"
     assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry["files"]  # no packed weights
     every = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
@@ -282,25 +289,45 @@ def test_an_fp32_variant_runs_its_attention_and_swiglu_in_kilns_kernels_bit_for_
     ours = [(n.domain, n.op_type) for n in kernels.graph.node]
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(taken)
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.SWIGLU_OP)) == len(swiglus)
-    replaced = [node for four in swiglus for node in four]
+    assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.FP32_MATMUL_OP)) == len(matmuls)
+    replaced = [node for four in swiglus for node in four] + transposed
     assert [n for n in ours if n[0] != cpu_kernels.DOMAIN] == [
-        (n.domain, n.op_type) for n in graph.graph.node if n not in taken and n not in replaced]
+        (n.domain, n.op_type) for n in graph.graph.node if n not in taken + replaced + matmuls]
+
+    undone = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)  # ONNX's MatMuls again
+    nodes = list(undone.graph.node)
+    undone.graph.ClearField("node")
+    for node in nodes:
+        if node.op_type != cpu_kernels.FP32_MATMUL_OP:
+            undone.graph.node.append(node)
+            continue
+        weights = node.input[1]
+        if node.attribute:  # transB: the Transpose back, just before
+            undone.graph.node.append(onnx.helper.make_node("Transpose", [weights], [weights + ".T"]))
+            weights += ".T"
+        undone.graph.node.append(onnx.helper.make_node("MatMul", [node.input[0], weights], list(node.output)))
+    onnx.save(undone, str(tmp_path / "model_undone.onnx"))
+    shutil.copy(folder / "variants" / "cpu-fp32" / "model.onnx.data", tmp_path)  # ONNX Runtime follows no link out
 
     exported = _exported(tiny_artifacts, tiny_checkpoints, family)  # for the model's shapes
     reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry["interface"], exported.shapes, 0, ["model.onnx"])
     steps = _greedy_steps(reference, seed=3)
     backends = [OnnxRuntimeBackend(reference.model_path, entry["interface"]),
-                OnnxRuntimeBackend(folder / entry["kernel_model"], entry["interface"], kernels=library)]
+                OnnxRuntimeBackend(folder / entry["kernel_model"], entry["interface"], kernels=library),
+                OnnxRuntimeBackend(tmp_path / "model_undone.onnx", entry["interface"], kernels=library)]
     for front_aligned in (True, False):  # each layout against model.onnx in the same layout
         caches = []
         for backend in backends:
             backend.front_aligned = front_aligned
             caches.append(backend.new_cache(len(CHECK_PADS), CHECK_PROMPT + CHECK_STEPS))
         for ids, mask, positions, _ in steps:
-            expected, caches[0] = backends[0].run(ids, mask, positions, caches[0])
-            got, caches[1] = backends[1].run(ids, mask, positions, caches[1])
-            real = mask[:, -expected.shape[1]:].astype(bool)
-            assert np.array_equal(got[real], expected[real])
+            logits = []
+            for number, backend in enumerate(backends):
+                got, caches[number] = backend.run(ids, mask, positions, caches[number])
+                logits.append(got[mask[:, -got.shape[1]:].astype(bool)])
+            expected, ours_, undone_ = logits
+            assert np.array_equal(undone_, expected)
+            np.testing.assert_allclose(ours_, expected, rtol=1e-4, atol=1e-4 * np.abs(expected).max())
     for backend in backends:
         backend.close()
 

@@ -1,4 +1,4 @@
-"""Kiln's CPU kernels (runtime/kernels/int8_blocks.c, swiglu.c) in a real ONNX Runtime session, against
+"""Kiln's CPU kernels (runtime/kernels/int8_blocks.c, swiglu.c, matmul_fp32.c) in a real ONNX Runtime session, against
 MLAS's MatMulNBits on the same weights and ONNX Runtime's own nodes on the same inputs; skipped where this
 machine cannot run them."""
 
@@ -35,7 +35,7 @@ def session(op: str, codes: np.ndarray, scales: np.ndarray, zero_points: np.ndar
     return one_node_session(node, weights, k, n)
 
 
-def one_node_session(node, weights: list, k: int, n: int, threads: int = 2) -> ort.InferenceSession:
+def one_node_session(node, weights: list, k: int | str, n: int, threads: int = 2) -> ort.InferenceSession:
     """A session of `node` alone, A [b, s, K] -> Y [b, s, N], on `threads` threads, Kiln's library
     registered for its ops."""
     graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
@@ -209,6 +209,69 @@ def test_swiglu_writes_what_the_split_sigmoid_and_muls_write_bit_for_bit():
         assert np.array_equal(got, expected)
     with pytest.raises(Exception, match="ai.kiln::SwiGLU: X's last dimension must be even"):
         ours.run(None, {"X": np.zeros((1, 1, 7), np.float32)})
+
+
+def fp32_sessions(weights: np.ndarray, transposed: bool = False, threads: int = 2
+                  ) -> tuple[ort.InferenceSession, ort.InferenceSession]:
+    """ai.kiln::MatMulFp32 over these weights ([K, N], or [N, K] with transB), and ONNX's MatMul (after a
+    Transpose) over the same."""
+    k, n = weights.shape[::-1] if transposed else weights.shape
+    ours = helper.make_node(cpu_kernels.FP32_MATMUL_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN,
+                            **({"transB": 1} if transposed else {}))
+    theirs = [helper.make_node("Transpose", ["W"], ["WT"]), helper.make_node("MatMul", ["A", "WT"], ["Y"])] \
+        if transposed else [helper.make_node("MatMul", ["A", "W"], ["Y"])]
+    initializer = [numpy_helper.from_array(weights, "W")]
+    graph = helper.make_graph(theirs, "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, ["b", "s", k])],
+                              [helper.make_tensor_value_info("Y", TensorProto.FLOAT, ["b", "s", n])], initializer)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = threads
+    mlas = ort.InferenceSession(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]).SerializeToString(),
+                                options, providers=["CPUExecutionProvider"])
+    return one_node_session(ours, initializer, k, n, threads), mlas
+
+
+@needs_kernels
+@pytest.mark.parametrize("k, n, transposed", [(576, 960, False), (1536, 70, False), (200, 333, True), (7, 5, False)])
+def test_the_fp32_matmul_sums_as_closely_as_mlas_and_each_row_alone_the_same(k, n, transposed):
+    """MatMulFp32 sums each block of 128 rows of W in one chain of FMAs and adds the blocks: against exact
+    sums, no further off than MLAS's MatMul (which adds blocks too). A row's outputs are the same bits
+    alone, in any batch and on any number of threads: what keeps an fp32 variant's greedy tokens the same
+    in a batch as alone. Shapes: SmolLM2's; K past 1,536 in blocks of 128 with N a part-filled panel of 16
+    columns; a transposed W [N, K] (a tied LM head); fewer rows and columns than a panel."""
+    rng = np.random.default_rng(k + n)
+    weights = rng.standard_normal((n, k) if transposed else (k, n)).astype(np.float32)
+    exact_weights = (weights.T if transposed else weights).astype(np.float64)
+    ours, mlas = fp32_sessions(weights, transposed)
+    one_thread = fp32_sessions(weights, transposed, threads=1)[0]
+    for rows in (1, 5, 8, 45, 200):  # a row; part of a tile of 6; a decode batch; a prompt; rows past 96
+        x = rng.standard_normal((1, rows, k)).astype(np.float32)
+        exact = x.astype(np.float64) @ exact_weights
+        got, theirs = ours.run(None, {"A": x})[0], mlas.run(None, {"A": x})[0]
+        assert got.shape == (1, rows, n)
+        assert np.abs(got - exact).max() <= 1.2 * np.abs(theirs - exact).max() + 1e-6
+        alone = np.concatenate([ours.run(None, {"A": x[:, i:i + 1]})[0] for i in range(rows)], axis=1)
+        assert np.array_equal(alone, got)
+        assert np.array_equal(one_thread.run(None, {"A": x})[0], got)
+
+
+@needs_kernels
+def test_the_fp32_matmul_refuses_weights_it_cannot_take_in_one_line():
+    for weights, inputs, expected in (
+            (np.zeros((4, 3, 2), np.float32), [], "W must be K x N"),
+            (None, [helper.make_tensor_value_info("W", TensorProto.FLOAT, [4, 3])], "W must be an initializer")):
+        node = helper.make_node(cpu_kernels.FP32_MATMUL_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("A", TensorProto.FLOAT, [1, 4]), *inputs],
+                                  [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None)],
+                                  [] if weights is None else [numpy_helper.from_array(weights, "W")])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid(node.domain, 1)])
+        options = ort.SessionOptions()
+        options.register_custom_ops_library(str(LIBRARY))
+        with pytest.raises(Exception, match=f"ai.kiln::MatMulFp32: {expected}"):
+            ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+    node = helper.make_node(cpu_kernels.FP32_MATMUL_OP, ["A", "W"], ["Y"], domain=cpu_kernels.DOMAIN)
+    ours = one_node_session(node, [numpy_helper.from_array(np.ones((4, 3), np.float32), "W")], "k", 3)
+    with pytest.raises(Exception, match="ai.kiln::MatMulFp32: A's last dimension is not W's first"):
+        ours.run(None, {"A": np.zeros((1, 1, 5), np.float32)})
 
 
 def int4_session(codes: np.ndarray, scales: np.ndarray, zero_points: np.ndarray,
