@@ -12,6 +12,7 @@ warm-up. Also measures memory read bandwidth and prints the floor for a batch-1 
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import functools
 import importlib.util
@@ -66,7 +67,9 @@ def _read_rate_library() -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         return None
-    built = Path(tempfile.mkdtemp(prefix="kiln-read-rate-")) / "read_rate.so"
+    folder = tempfile.mkdtemp(prefix="kiln-read-rate-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    built = Path(folder) / "read_rate.so"
     made = subprocess.run([compiler, "-O3", "-march=native", "-pthread", "-shared", "-fPIC",
                            str(Path(__file__).with_name("read_rate.c")), "-o", str(built)], capture_output=True)
     if made.returncode:

@@ -13,7 +13,7 @@ with every layer quantized (bench/smollm2-variants.yaml; int4's GPTQ twin is not
 weights are on a Q4_1 grid, which int4 keeps exactly, so GPTQ has nothing left to round). Kiln's cpu-fp32 and cpu-int8
 (`exclude: auto`) come from --artifact, the main command's artifact. Each Kiln row runs the graph this
 host would run: Kiln's CPU kernels where the variant ships their graph and the CPU has AVX-512 VNNI
-(runtime/cpu_kernels.py; for fp32 its attention kernel alone); the rows "Kiln cpu-fp32 on MLAS", "Kiln
+(runtime/cpu_kernels.py; for fp32 its MatMul, attention and SwiGLU kernels); the rows "Kiln cpu-fp32 on MLAS", "Kiln
 cpu-int8 on MLAS" and "Kiln cpu-int4 on MLAS" run the same variants' model.onnx, on ONNX Runtime's own
 kernels (MatMul or MatMulNBits, and GroupQueryAttention), in the same rounds.
 
@@ -39,10 +39,10 @@ token a step that reads the weights), and the same job with each prompt's prefil
 those take longer than one read (a 45-token prefill is about 5 reads' time here): that is the floor
 of what the batch-1 cells time; batch 32 fp32 = the job's FLOPs (prompt + new tokens, 2 per weight
 each) at the fp32 GEMM rate.
-The read rate is the faster of two readers: numpy's max (one stream a thread, 4 KB pages) and
-bench/read_rate.c (1 to 16 streams a thread, 2 MB pages, built with the host's C compiler). Several streams a
-thread read faster on these VMs, and Kiln's fp32 MatMul reads 4 panels a thread at once, so numpy's rate
-alone was no floor for it: run 17's floor was numpy's (31.9 GB/s).
+The read rate is the faster of two readers: numpy's max (one stream a thread) and bench/read_rate.c (1
+to 16 streams a thread, 2 MB pages, built with the host's C compiler). Several streams a thread can read
+faster on these VMs, and Kiln's fp32 MatMul reads 3 panels a thread at once, so numpy's rate alone was no
+floor for it: run 17's and every earlier run's floor was numpy's alone (31.9 GB/s in run 17).
 Both rates are measured in every round, before and after its backends (each the best of 5), and
 the floors use their median: on these VMs one reading of the bandwidth has ranged from 31 to 51 GB/s
 between runs, so a single one, taken when the rows were not running, says little about theirs. The
@@ -420,8 +420,8 @@ def timed_round(args, number: int) -> dict:
 
 
 def machine_rates(threads: int) -> dict:
-    """The read rate two ways (numpy's max, one stream a thread; bench/read_rate.c, 1 to 16 streams a thread
-    on 2 MB pages, where a C compiler is at hand), the faster of them as the reading, and the GEMM rate."""
+    """The read rate two ways (numpy's max, one stream a thread; bench/read_rate.c, 1 to 16 streams a thread,
+    where a C compiler is at hand), the faster of them as the reading, and the GEMM rate."""
     numpy_gbs, streams_gbs = read_bandwidth_gbs(threads), read_streams_gbs(threads)
     return {"read_bandwidth_gbs": max(numpy_gbs, streams_gbs or 0), "read_numpy_gbs": numpy_gbs,
             "read_streams_gbs": streams_gbs, "fp32_gemm_gflops": gemm_gflops(threads)}
@@ -545,7 +545,7 @@ def main() -> None:
           f"{spread['fp32_gemm_gflops']} GFLOP/s")
     print("read rate, each reading the faster of: numpy's max, one stream a thread, "
           f"{spread['read_numpy_gbs']} GB/s; "
-          + (f"1 to 16 streams a thread on 2 MB pages (bench/read_rate.c), {spread['read_streams_gbs']} GB/s"
+          + (f"1 to 16 streams a thread (bench/read_rate.c), {spread['read_streams_gbs']} GB/s"
              if "read_streams_gbs" in spread else "streams a thread: not measured (no C compiler)"))
     print(f"| backend | b1 tok/s | b8 | b32 | x genai (b1/b8/b32) | TTFT b1 / b32 ms "
           f"| top-1 vs eager (differ, of {report['heldout_tokens']}) | ppl change "

@@ -1,9 +1,9 @@
 /* The memory's read rate as a kernel that streams several regions at once sees it (bench/generate.py
    read_streams_gbs compiles this with the host's C compiler): `threads` threads, each reading its part of
-   1 GiB as 1, 2, 4, 8 or 16 streams side by side, on 2 MB pages where the kernel gives them; the fastest. numpy's max reads
-   one stream a thread on 4 KB pages; on the AMD EPYC VMs this is run on, several streams a thread read
-   faster, and Kiln's fp32 MatMul reads 4 panels a thread at once, so a floor from numpy's rate alone
-   would not be one. */
+   1 GiB as 1, 2, 4, 8 or 16 streams side by side, on 2 MB pages where the kernel gives them; the fastest.
+   numpy's max reads one stream a thread; on the AMD EPYC VMs this is run on, several streams a thread
+   can read faster, and Kiln's fp32 MatMul reads 3 panels a thread at once, so a floor from numpy's rate
+   alone would not be one. */
 
 #define _GNU_SOURCE
 #include <pthread.h>
@@ -63,17 +63,19 @@ double read_streams_gbs(int threads, int repeats) {
     double best = 0;
     for (int repeat = 0; repeat < 5 * repeats; repeat++) {
         int streams = 1 << (repeat % 5);
+        size_t part = count / (size_t)threads / 8 * 8;  /* whole 64-byte lines: each part starts aligned */
+        size_t read = (size_t)threads * (size_t)streams * (part / (size_t)streams / STEP * STEP) * sizeof(uint64_t);
         double start = now();
         int started = 0;
         for (int t = 0; t < threads; t++) {
-            readers[t] = (Reader){words + count / (size_t)threads * (size_t)t, count / (size_t)threads, streams, 0};
+            readers[t] = (Reader){words + part * (size_t)t, part, streams, 0};
             if (pthread_create(&ids[t], NULL, read_part, &readers[t])) break;
             started++;
         }
         for (int t = 0; t < started; t++) pthread_join(ids[t], NULL);
         double seconds = now() - start;
         if (started < threads) { best = 0; break; }
-        double rate = (double)BYTES / seconds / 1e9;
+        double rate = (double)read / seconds / 1e9;
         if (rate > best) best = rate;
     }
     munmap(mapping, BYTES + HUGE_PAGE);

@@ -190,6 +190,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
     producers = {output: node for node in proto.graph.node for output in node.output}
+    graph_inputs = {i.name for i in proto.graph.input}
     eligible = [(node, made) for node in proto.graph.node
                 if (made := _kernel_node(node, initializers, producers)) is not None]
     attentions = [node for node in proto.graph.node if _kernel_attention(node, proto.graph)]
@@ -204,7 +205,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     gated = {node.name: found for node, made in eligible if made.n % 32 == 0  # the kernel's tiles in pairs
              and (found := _swiglu_after(node.output[0], made.n, readers, initializers, outside)) is not None}
     fp32_matmuls = [(node, found) for node in proto.graph.node
-                    if (found := _fp32_matmul_weights(node, initializers, producers)) is not None]
+                    if (found := _fp32_matmul_weights(node, initializers, producers, graph_inputs)) is not None]
     swiglus = [found for node, (_, _, n) in fp32_matmuls
                if (found := _swiglu_after(node.output[0], n, readers, initializers, outside)) is not None]
     if not eligible and not attentions and not swiglus and not fp32_matmuls:
@@ -234,6 +235,10 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     for transpose in {id(t): t for t in transposes}.values():  # one Transpose may feed several
         if transpose.output[0] not in read:
             proto.graph.node.remove(transpose)
+    weight_readers = Counter(name for node in proto.graph.node for name in node.input)
+    for node, (weights, _, _) in fp32_matmuls:  # read elsewhere too (tied embeddings): ONNX Runtime's pages stay
+        if weight_readers[weights] > 1 or weights in outside:
+            node.attribute.append(onnx.helper.make_attribute("weights_shared", 1))
     with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None
@@ -403,8 +408,8 @@ def _kernel_attention(node: Any, graph: Any) -> bool:
     return 0 < head_size <= 256 and head_size % 16 == 0 and pasts[1].shape.dim[3].dim_value == head_size
 
 
-def _fp32_matmul_weights(node: Any, initializers: dict[str, Any],
-                         producers: dict[str, Any]) -> tuple[str, bool, int] | None:
+def _fp32_matmul_weights(node: Any, initializers: dict[str, Any], producers: dict[str, Any],
+                         graph_inputs: set[str]) -> tuple[str, bool, int] | None:
     """For an ONNX MatMul by fp32 weights: the initializer holding them, whether the graph transposes it
     first ([K, N] read as it is, or [N, K] through a Transpose: a tied LM head reads the embeddings so),
     and N. Else None."""
@@ -421,8 +426,9 @@ def _fp32_matmul_weights(node: Any, initializers: dict[str, Any],
         if not transposed:
             return None
     weights = initializers.get(name)
-    if weights is None or weights.data_type != onnx.TensorProto.FLOAT or len(weights.dims) != 2:
-        return None
+    if weights is None or weights.data_type != onnx.TensorProto.FLOAT or len(weights.dims) != 2 \
+            or not all(1 <= size <= 2**24 for size in weights.dims) or name in graph_inputs:
+        return None  # what the op refuses at load (a graph input may be fed another value at run time)
     return name, transposed, weights.dims[0 if transposed else 1]
 
 

@@ -483,7 +483,7 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         os.replace(graph.folder / name, folder / name)
     if kernel_summary:  # its graph and its packed weights; the rest it reads from the variant's own file
         os.replace(kernels.model_path, folder / KERNEL_MODEL_FILE)
-        packed = [KERNEL_DATA_FILE] if KERNEL_DATA_FILE in kernels.files else []  # none where only attention
+        packed = [KERNEL_DATA_FILE] if KERNEL_DATA_FILE in kernels.files else []  # none: no packed weights
         for name in packed:
             os.replace(kernels.folder / name, folder / name)
         shutil.rmtree(kernels.folder)

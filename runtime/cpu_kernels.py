@@ -1,9 +1,9 @@
 """Kiln's own CPU kernels, run by ONNX Runtime as custom ops (runtime/kernels/: library.c registers
-int8_blocks.c's, attention.c's and swiglu.c's ops in the domain ai.kiln).
+int8_blocks.c's, attention.c's, swiglu.c's and matmul_fp32.c's ops in the domain ai.kiln).
 
-A variant whose graph has 8-bit or 4-bit MatMulNBits nodes in blocks of 32 with int8 activations, or
-GroupQueryAttention nodes the attention kernel takes, gets a second graph beside model.onnx,
-KERNEL_MODEL_FILE:
+A variant whose graph has 8-bit or 4-bit MatMulNBits nodes in blocks of 32 with int8 activations,
+GroupQueryAttention nodes the attention kernel takes, or MatMuls by fp32 weights, gets a second graph
+beside model.onnx, KERNEL_MODEL_FILE:
 - each such MatMulNBits as ai.kiln::MatMulInt8Blocks or MatMulInt4Blocks over the same weights packed in
   the kernels' layout (KERNEL_DATA_FILE; every other weight read from model.onnx.data), so that AVX-512
   VNNI instructions work on 16 output columns at once; a 4-bit node that reads its activations' block
@@ -21,8 +21,10 @@ KERNEL_MODEL_FILE:
   quantized variant kept in fp32);
 - each MatMul by fp32 weights (an initializer [K, N], or the transpose of one [N, K]: a tied LM head) as
   ai.kiln::MatMulFp32 over the same initializer, which the op packs into panels of 16 columns when the
-  session starts: each output summed in an order fixed by K alone (rows, tiles and threads aside), so a
-  row's numbers are the same in any batch, to MLAS's accuracy but not its bits.
+  session starts (`weights_shared` where another node reads them too: the tied embeddings' Gather, whose
+  pages are then left where ONNX Runtime mapped them): each output summed in an order fixed by K alone
+  (rows, tiles and threads aside), so a row's numbers are the same in any batch, to MLAS's accuracy but
+  not its bits.
 fp32 variants get a kernels' graph for their MatMuls, attention and SwiGLUs. A 4-bit node with the recipe's
 `activations: bf16` (int4's default) is ai.kiln::MatMulInt4BlocksBf16: its activations rounded to bf16
 rather than in int8 blocks, its codes in bf16_layout's order (the manifest's `kernel_activations`): on
@@ -68,7 +70,7 @@ INT4_BF16_OP = "MatMulInt4BlocksBf16"  # its weights in bf16_layout's order, its
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
-FP32_MATMUL_OP = "MatMulFp32"  # ONNX MatMul by fp32 weights [K, N]: each output one FMA chain over k
+FP32_MATMUL_OP = "MatMulFp32"  # ONNX MatMul by fp32 weights [K, N]: each output's blocks of K in a fixed order
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
 BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the bf16 op's FMA path on a CPU with AVX-512 BF16 too
 LIBRARY_VERSION = 7  # kiln_cpu_kernels_version() in runtime/kernels/library.c

@@ -1,11 +1,16 @@
 /* ai.kiln::MatMulFp32(A, W) -> Y: ONNX MatMul of fp32 activations A [..., K] by fp32 weights W [K, N]
    (an initializer), Y [..., N]; with transB = 1, W is [N, K] and the op multiplies by its transpose (a
-   tied LM head: the exported graph transposes the embeddings' initializer).
+   tied LM head: the exported graph transposes the embeddings' initializer). The op packs W into memory
+   of its own and gives ONNX Runtime's pages of it back, except with weights_shared = 1, where another
+   node reads W too (the tied embeddings' Gather: paged out, each new token's row would be read from
+   the file again).
 
    The sums: each block of K_BLOCK rows of W in one chain of fused multiply-adds from zero, k in order, then
    added to the blocks before it. That order is fixed by K alone, whatever the rows, the tiles or the
    threads, so a row's outputs are the same bits alone as in any batch: an fp32 variant's kernels' graph
-   gives a request the same greedy tokens in a batch as alone. The numbers are not MLAS's bit for bit (its
+   gives a request the same greedy tokens in a batch as alone. Each work item runs under IEEE's default
+   floating-point modes (no flushing of denormals, rounding to nearest), whatever its thread's MXCSR, and
+   gives the thread its own back. The numbers are not MLAS's bit for bit (its
    blocks are other ones); against exact sums they are as close (tests/runtime/test_cpu_kernels.py).
 
    Why an op of Kiln's: a decode step at batch 1 reads every weight once, and how fast memory gives them
@@ -33,6 +38,7 @@
 #define TILE_PANELS 3
 #define BLOCK_ROWS 96  /* rows a work item: their activations stay in the core's cache while its panels pass */
 #define MAX_ITEMS 32
+#define IEEE_MODES 0x1F80  /* MXCSR: every exception masked, rounding to nearest, no FTZ or DAZ */
 #define K_BLOCK 128  /* rows of W a chain of FMAs sums before it is added to the rest: a 1,536-long chain had
                         twice MLAS's error against exact sums, which adds blocks' sums too. The blocks' totals
                         stay in registers: added through y in memory, they cost a 1,440-row prefill 5% */
@@ -55,7 +61,7 @@ typedef struct {
 static inline __attribute__((always_inline)) void tile(int mr, int j_count, int64_t k_count, const float* x,
                                                        int64_t x_stride, const float* w, float* y, int64_t y_stride,
                                                        const __mmask16* lanes) {
-    __m512 totals[TILE_ROWS][TILE_PANELS];
+    __m512 totals[TILE_ROWS][TILE_PANELS] = {{_mm512_setzero_ps()}};  /* each set by the first block (K >= 1) */
     for (int64_t first = 0; first < k_count; first += K_BLOCK) {
         int64_t last = first + K_BLOCK < k_count ? first + K_BLOCK : k_count;
         __m512 sums[TILE_ROWS][TILE_PANELS];
@@ -86,8 +92,7 @@ TILE_ROW(1) TILE_ROW(2) TILE_ROW(3) TILE_ROW(4)
 static const Tile tiles[TILE_ROWS][TILE_PANELS] = {TILES(1), TILES(2), TILES(3), TILES(4)};
 
 /* One work item: a block of rows by a range of panels. */
-static void run_item(void* data, size_t item) {
-    const Job* job = data;
+static void run_panels(const Job* job, size_t item) {
     const Kernel* kernel = job->kernel;
     int64_t row_item = (int64_t)item / job->panel_items, panel_item = (int64_t)item % job->panel_items;
     int64_t first_row = job->rows * row_item / job->row_items, last_row = job->rows * (row_item + 1) / job->row_items;
@@ -107,6 +112,13 @@ static void run_item(void* data, size_t item) {
                                        kernel->n, lanes);
         }
     }
+}
+
+static void run_item(void* data, size_t item) {
+    unsigned int modes = _mm_getcsr();
+    _mm_setcsr(IEEE_MODES);
+    run_panels(data, item);
+    _mm_setcsr(modes);
 }
 
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
@@ -154,7 +166,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
             }
         }
     }
-    kiln_weights_drop(source, sizeof(float) * (size_t)(kernel->k * kernel->n));
+    if (!kiln_attribute_int(info, "weights_shared", 0)) kiln_weights_drop(source, sizeof(float) * (size_t)(kernel->k * kernel->n));
     kernel->packed = packed;
     *out = kernel;
     return NULL;

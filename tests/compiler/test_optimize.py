@@ -266,7 +266,7 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
         for name in node.input:
             readers.setdefault(name, []).append(node)
     initializers = {i.name: i for i in graph.graph.initializer}
-    matmuls = [n for n in graph.graph.node if _fp32_matmul_weights(n, initializers, producers)]
+    matmuls = [n for n in graph.graph.node if _fp32_matmul_weights(n, initializers, producers, set())]
     transposed = [producers[n.input[1]] for n in matmuls if n.input[1] not in initializers]
     swiglus = []  # (Split, Sigmoid, SiLU's Mul, the product's Mul) after a packed gate/up MatMul
     for matmul in matmuls:
@@ -293,6 +293,11 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     replaced = [node for four in swiglus for node in four] + transposed
     assert [n for n in ours if n[0] != cpu_kernels.DOMAIN] == [
         (n.domain, n.op_type) for n in graph.graph.node if n not in taken + replaced + matmuls]
+    for node in [n for n in kernels.graph.node if n.op_type == cpu_kernels.FP32_MATMUL_OP]:
+        attributes = {a.name: a.i for a in node.attribute}
+        # a tied head's weights are the embeddings, which a Gather reads too: their pages stay ONNX Runtime's
+        read_elsewhere = sum(node.input[1] in n.input for n in kernels.graph.node) > 1
+        assert attributes.get("weights_shared", 0) == read_elsewhere
 
     undone = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)  # ONNX's MatMuls again
     nodes = list(undone.graph.node)
@@ -302,7 +307,7 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
             undone.graph.node.append(node)
             continue
         weights = node.input[1]
-        if node.attribute:  # transB: the Transpose back, just before
+        if any(a.name == "transB" and a.i for a in node.attribute):  # the Transpose back, just before
             undone.graph.node.append(onnx.helper.make_node("Transpose", [weights], [weights + ".T"]))
             weights += ".T"
         undone.graph.node.append(onnx.helper.make_node("MatMul", [node.input[0], weights], list(node.output)))

@@ -179,7 +179,8 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     nodes = onnx.load(str(quantized / entry["model"]), load_external_data=False).graph.node
     eligible = [n for n in nodes if n.op_type == "MatMulNBits"]
     attentions = [n for n in nodes if n.op_type == "GroupQueryAttention"]
-    assert report["nodes"] == len(eligible) + len(attentions) and eligible and attentions
+    fp32 = [n for n in nodes if n.op_type == "MatMul"]  # the LM head the quantizer kept in fp32
+    assert report["nodes"] == len(eligible) + len(attentions) + len(fp32) and eligible and attentions and fp32
     library, why = cpu_kernels.library()
     if library is None:
         assert "kernel_model" not in entry and report["why_not"].endswith(f"({why})")

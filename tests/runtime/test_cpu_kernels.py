@@ -243,7 +243,7 @@ def test_the_fp32_matmul_sums_as_closely_as_mlas_and_each_row_alone_the_same(k, 
     exact_weights = (weights.T if transposed else weights).astype(np.float64)
     ours, mlas = fp32_sessions(weights, transposed)
     one_thread = fp32_sessions(weights, transposed, threads=1)[0]
-    for rows in (1, 5, 8, 45, 200):  # a row; part of a tile of 6; a decode batch; a prompt; rows past 96
+    for rows in (1, 5, 8, 45, 200):  # a row; a tile of 4 and part of one; a decode batch; a prompt; rows past 96
         x = rng.standard_normal((1, rows, k)).astype(np.float32)
         exact = x.astype(np.float64) @ exact_weights
         got, theirs = ours.run(None, {"A": x})[0], mlas.run(None, {"A": x})[0]
