@@ -235,10 +235,6 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     for transpose in {id(t): t for t in transposes}.values():  # one Transpose may feed several
         if transpose.output[0] not in read:
             proto.graph.node.remove(transpose)
-    weight_readers = Counter(name for node in proto.graph.node for name in node.input)
-    for node, (weights, _, _) in fp32_matmuls:  # read elsewhere too (tied embeddings): ONNX Runtime's pages stay
-        if weight_readers[weights] > 1 or weights in outside:
-            node.attribute.append(onnx.helper.make_attribute("weights_shared", 1))
     with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
             weights = [_initializer_array(initializers[name], graph.folder) if name else None

@@ -21,8 +21,8 @@ beside model.onnx, KERNEL_MODEL_FILE:
   quantized variant kept in fp32);
 - each MatMul by fp32 weights (an initializer [K, N], or the transpose of one [N, K]: a tied LM head) as
   ai.kiln::MatMulFp32 over the same initializer, which the op packs into panels of 16 columns when the
-  session starts (`weights_shared` where another node reads them too: the tied embeddings' Gather, whose
-  pages are then left where ONNX Runtime mapped them): each output summed in an order fixed by K alone
+  session starts (ONNX Runtime's pages of them given back, a tied LM head's too: the embeddings' Gather
+  reads a row's page from the file again, once): each output summed in an order fixed by K alone
   (rows, tiles and threads aside), so a row's numbers are the same in any batch, to MLAS's accuracy but
   not its bits.
 fp32 variants get a kernels' graph for their MatMuls, attention and SwiGLUs. A 4-bit node with the recipe's

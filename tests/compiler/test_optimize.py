@@ -293,11 +293,6 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     replaced = [node for four in swiglus for node in four] + transposed
     assert [n for n in ours if n[0] != cpu_kernels.DOMAIN] == [
         (n.domain, n.op_type) for n in graph.graph.node if n not in taken + replaced + matmuls]
-    for node in [n for n in kernels.graph.node if n.op_type == cpu_kernels.FP32_MATMUL_OP]:
-        attributes = {a.name: a.i for a in node.attribute}
-        # a tied head's weights are the embeddings, which a Gather reads too: their pages stay ONNX Runtime's
-        read_elsewhere = sum(node.input[1] in n.input for n in kernels.graph.node) > 1
-        assert attributes.get("weights_shared", 0) == read_elsewhere
 
     undone = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)  # ONNX's MatMuls again
     nodes = list(undone.graph.node)
