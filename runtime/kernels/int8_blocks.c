@@ -683,18 +683,15 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
 
 static const char* op_name(const OrtCustomOp* op) { return name_for(op_bits(op), op_bf16(op)); }
 static int input_type(const OrtCustomOp* op, size_t i) { (void)op; return i == 0 ? TYPE_FLOAT : TYPE_UINT8; }
-static size_t input_count(const OrtCustomOp* op) { (void)op; return 2; }
-static size_t output_count(const OrtCustomOp* op) { (void)op; return 1; }
-static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
 
 /* The three ops differ only in what op_bits and op_bf16 return for them. */
 #define BLOCKS_OP {                                  \
     KILN_OP_COMMON,                                  \
     .GetName = op_name,                              \
     .GetInputType = input_type,                      \
-    .GetInputTypeCount = input_count,                \
-    .GetOutputTypeCount = output_count,              \
-    .GetInputCharacteristic = input_characteristic,  \
+    .GetInputTypeCount = kiln_count_2,               \
+    .GetOutputTypeCount = kiln_count_1,              \
+    .GetInputCharacteristic = kiln_required_input,   \
     .CreateKernelV2 = create_kernel,                 \
     .KernelComputeV2 = compute,                      \
     .KernelDestroy = destroy_kernel,                 \

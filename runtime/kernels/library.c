@@ -205,6 +205,10 @@ const char* kiln_cpu_provider(const OrtCustomOp* op) { (void)op; return "CPUExec
 int kiln_cpu_memory(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return 0; }
 int kiln_float_output(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
 int kiln_required_output(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+int kiln_float_input(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
+int kiln_required_input(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
+size_t kiln_count_1(const OrtCustomOp* op) { (void)op; return 1; }
+size_t kiln_count_2(const OrtCustomOp* op) { (void)op; return 2; }
 void kiln_free_kernel(void* kernel) { free(kernel); }
 
 /* -- registration ---------------------------------------------------------------------------------- */

@@ -127,6 +127,11 @@ int kiln_cpu_memory(const OrtCustomOp* op, size_t i);
 int kiln_float_output(const OrtCustomOp* op, size_t i);
 int kiln_required_output(const OrtCustomOp* op, size_t i);
 void kiln_free_kernel(void* kernel);
+/* For the tables of ops whose inputs are all fp32, or all required, and for counts of 1 and 2. */
+int kiln_float_input(const OrtCustomOp* op, size_t i);
+int kiln_required_input(const OrtCustomOp* op, size_t i);
+size_t kiln_count_1(const OrtCustomOp* op);
+size_t kiln_count_2(const OrtCustomOp* op);
 #define KILN_OP_COMMON .version = OP_VERSION, .GetExecutionProviderType = kiln_cpu_provider, \
     .GetInputMemoryType = kiln_cpu_memory, .GetOutputType = kiln_float_output,            \
     .GetOutputCharacteristic = kiln_required_output, .KernelDestroy = kiln_free_kernel

@@ -68,17 +68,14 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
 }
 
 static const char* op_name(const OrtCustomOp* op) { (void)op; return NAME; }
-static int input_type(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return TYPE_FLOAT; }
-static size_t one(const OrtCustomOp* op) { (void)op; return 1; }
-static int input_characteristic(const OrtCustomOp* op, size_t i) { (void)op; (void)i; return REQUIRED; }
 
 OrtCustomOp kiln_swiglu_op = {
     KILN_OP_COMMON,
     .GetName = op_name,
-    .GetInputType = input_type,
-    .GetInputTypeCount = one,
-    .GetOutputTypeCount = one,
-    .GetInputCharacteristic = input_characteristic,
+    .GetInputType = kiln_float_input,
+    .GetInputTypeCount = kiln_count_1,
+    .GetOutputTypeCount = kiln_count_1,
+    .GetInputCharacteristic = kiln_required_input,
     .CreateKernelV2 = create_kernel,
     .KernelComputeV2 = compute,
 };
