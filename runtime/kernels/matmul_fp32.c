@@ -14,11 +14,10 @@
    blocks are other ones); against exact sums they are as close (tests/runtime/test_cpu_kernels.py).
 
    Why an op of Kiln's: a decode step at batch 1 reads every weight once, and how fast memory gives them
-   up decides the step. MLAS read SmolLM2's fp32 weights at about 29 GB/s here, about what numpy's max
-   reads (one stream a thread); this kernel read them at 40 to 49 GB/s: each thread streams 3 panels at
-   once, on 2 MB pages of the library's own (library.c). SmolLM2's fp32 decode step against MLAS's
-   MatMuls (fresh processes alternating): 1.19x, 1.26x and 1.08x as fast at batch 1, 8 and 32; a
-   45-token prefill 1.08x, 32 of them 1.05x, where both run near the CPU's FMA peak.
+   up decides the step. Each thread here streams 3 panels at once, on 2 MB pages of the library's own
+   (library.c). SmolLM2's fp32 decode step against MLAS's MatMuls (fresh processes alternating): 1.19x,
+   1.26x and 1.08x as fast at batch 1, 8 and 32 (batch 1: 1.13x to 1.50x in five such runs, as the VM's
+   memory moved); a 45-token prefill 1.08x, 32 of them 1.05x, where both run near the CPU's FMA peak.
 
    The layout, made from W when the session creates the kernel: panels of 16 columns, each K rows of 16
    floats, one after another (the last panel's columns past N zero). A tile of up to 4 rows and 3 panels
