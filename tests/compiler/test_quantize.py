@@ -464,7 +464,7 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
     onnx.save(model, str(tmp_path / "graph" / "model.onnx"))
     built, count = kernel_graph(OnnxArtifact(tmp_path / "graph", {}, None, 0, ["model.onnx"]), tmp_path / "kernels")
     kernels = onnx.load(str(built.model_path))
-    assert count == 2 and [nd.op_type for nd in kernels.graph.node] == ["MatMulInt4Blocks"] * 2 + ["MatMul"]
+    assert count == 3 and [nd.op_type for nd in kernels.graph.node] == ["MatMulInt4Blocks"] * 2 + ["MatMulFp32"]
     assert [nd.input[0] for nd in kernels.graph.node] == ["x"] * 3
     options = ort.SessionOptions()
     options.register_custom_ops_library(str(library))
