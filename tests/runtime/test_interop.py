@@ -110,9 +110,10 @@ def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
     out = tmp_path / "genai"
     result = _kiln("export-for", "genai", f"{artifact}:cpu-fp32-unfused", out)
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in out.iterdir()) == sorted(
+    kernels = ["model_kernels.onnx"] * ("kernel_model" in Artifact.open(artifact).variant("cpu-fp32-unfused"))
+    assert sorted(p.name for p in out.iterdir()) == sorted(  # the kernels' graph, for its fp32 MatMuls, goes along
         ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "tokenizer_config.json",
-         "chat_template.jinja", "generation_config.json"])
+         "chat_template.jinja", "generation_config.json", *kernels])
     generator = Generator.load(artifact, "cpu-fp32-unfused")
     prompts = [generator.encode(p) for p in PROMPTS[:2]]
     kiln = [r.token_ids for r in generator.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))]
