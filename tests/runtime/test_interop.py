@@ -126,7 +126,7 @@ def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
     # A folder that is not empty is refused, whole, and left as it was.
     again = _kiln("export-for", "genai", artifact, out)
     assert again.returncode == 1 and "already exists and is not an empty folder" in again.stderr
-    assert len(list(out.iterdir())) == 7 and not list(tmp_path.glob(".genai.partial-*"))
+    assert len(list(out.iterdir())) == 7 + len(kernels) and not list(tmp_path.glob(".genai.partial-*"))
 
 
 def test_export_for_optimum_refuses_what_optimum_cannot_run(tiny_artifacts, tmp_path):
