@@ -204,10 +204,12 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
         for subgraph in [a.g] * a.HasField("g") + list(a.graphs) for name in _names_read(subgraph)}
     gated = {node.name: found for node, made in eligible if made.n % 32 == 0  # the kernel's tiles in pairs
              and (found := _swiglu_after(node.output[0], made.n, readers, initializers, outside)) is not None}
-    fp32_matmuls = [(node, found) for node in proto.graph.node
-                    if (found := _fp32_matmul_weights(node, initializers, producers, graph_inputs)) is not None]
-    swiglus = [found for node, (_, _, n) in fp32_matmuls
+    fp32_weighted = [(node, found) for node in proto.graph.node
+                     if (found := _fp32_matmul_weights(node, initializers, producers)) is not None]
+    swiglus = [found for node, (_, _, n) in fp32_weighted  # ONNX's MatMul or Kiln's: the SwiGLU op reads either
                if (found := _swiglu_after(node.output[0], n, readers, initializers, outside)) is not None]
+    fp32_matmuls = [(node, found) for node, found in fp32_weighted
+                    if _fp32_matmul_op_takes(initializers[found[0]], graph_inputs)]
     if not eligible and not attentions and not swiglus and not fp32_matmuls:
         return None, ("no MatMulNBits of 8 or 4 bits in blocks of 32 with int8 activations, no "
                       "GroupQueryAttention the kernel takes and no MatMul by fp32 weights in the graph")
@@ -404,8 +406,8 @@ def _kernel_attention(node: Any, graph: Any) -> bool:
     return 0 < head_size <= 256 and head_size % 16 == 0 and pasts[1].shape.dim[3].dim_value == head_size
 
 
-def _fp32_matmul_weights(node: Any, initializers: dict[str, Any], producers: dict[str, Any],
-                         graph_inputs: set[str]) -> tuple[str, bool, int] | None:
+def _fp32_matmul_weights(node: Any, initializers: dict[str, Any],
+                         producers: dict[str, Any]) -> tuple[str, bool, int] | None:
     """For an ONNX MatMul by fp32 weights: the initializer holding them, whether the graph transposes it
     first ([K, N] read as it is, or [N, K] through a Transpose: a tied LM head reads the embeddings so),
     and N. Else None."""
@@ -422,10 +424,15 @@ def _fp32_matmul_weights(node: Any, initializers: dict[str, Any], producers: dic
         if not transposed:
             return None
     weights = initializers.get(name)
-    if weights is None or weights.data_type != onnx.TensorProto.FLOAT or len(weights.dims) != 2 \
-            or not all(1 <= size <= 2**24 for size in weights.dims) or name in graph_inputs:
-        return None  # what the op refuses at load (a graph input may be fed another value at run time)
+    if weights is None or weights.data_type != onnx.TensorProto.FLOAT or len(weights.dims) != 2:
+        return None
     return name, transposed, weights.dims[0 if transposed else 1]
+
+
+def _fp32_matmul_op_takes(weights: Any, graph_inputs: set[str]) -> bool:
+    """Whether MatMulFp32 loads these weights: it refuses sizes past 2^24, and an initializer that is also a
+    graph input (the caller may feed another value at run time)."""
+    return all(1 <= size <= 2**24 for size in weights.dims) and weights.name not in graph_inputs
 
 
 def _swiglu_after(output: str, n: int, readers: dict[str, list[Any]], initializers: dict[str, Any],

@@ -242,6 +242,48 @@ def test_a_kernels_graph_folds_the_swiglu_after_a_gate_up_projection_bit_for_bit
     assert run(tmp_path / "also_read")[1][1:] == ["Split", "Sigmoid", "Mul", "Mul"]
 
 
+def test_a_swiglu_after_an_fp32_matmul_the_op_refuses_is_still_folded(tmp_path):
+    """The SwiGLU op reads any fp32 MatMul's output: where MatMulFp32 refuses the weights (an initializer
+    that is also a graph input, which a caller may feed at run time), the MatMul stays ONNX's and the
+    Split, Sigmoid and two Muls after it still become one ai.kiln::SwiGLU, bit for bit their numbers."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    from compiler.optimize import kernel_graph
+    from runtime import cpu_kernels
+
+    library = cpu_kernels.library()[0]
+    if library is None:
+        pytest.skip("Kiln's CPU kernels do not run on this machine")
+    rng = np.random.default_rng(7)
+    k, half = 24, 40
+    weights = rng.standard_normal((k, 2 * half)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W"], ["y"], name="gate_up"),
+             helper.make_node("Split", ["y", "sizes"], ["g", "u"], name="split", axis=-1),
+             helper.make_node("Sigmoid", ["g"], ["s"], name="sigmoid"),
+             helper.make_node("Mul", ["g", "s"], ["silu"], name="silu"),
+             helper.make_node("Mul", ["silu", "u"], ["out"], name="product")]
+    graph = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [1, "s", k]),
+                     helper.make_tensor_value_info("W", onnx.TensorProto.FLOAT, [k, 2 * half])],
+        [helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1, "s", half])],
+        [numpy_helper.from_array(weights, "W"), numpy_helper.from_array(np.array([half, half], np.int64), "sizes")])
+    (tmp_path / "graph").mkdir()
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]),
+              str(tmp_path / "graph" / "model.onnx"))
+    built, count = kernel_graph(OnnxArtifact(tmp_path / "graph", {}, None, 0, ["model.onnx"]), tmp_path / "kernels")
+    kernels = onnx.load(str(built.model_path))
+    assert count == 1 and [(n.domain, n.op_type) for n in kernels.graph.node] == [
+        ("", "MatMul"), (cpu_kernels.DOMAIN, cpu_kernels.SWIGLU_OP)]
+    options = ort.SessionOptions()
+    options.register_custom_ops_library(str(library))
+    ours = ort.InferenceSession(str(built.model_path), options, providers=["CPUExecutionProvider"])
+    onnx_runtime = ort.InferenceSession(str(tmp_path / "graph" / "model.onnx"), providers=["CPUExecutionProvider"])
+    for rows in (1, 5, 33):
+        x = rng.standard_normal((1, rows, k)).astype(np.float32)
+        assert np.array_equal(ours.run(None, {"x": x})[0], onnx_runtime.run(None, {"x": x})[0])
+
+
 def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(tiny_artifacts, tiny_checkpoints,
                                                                                 family, tmp_path):
     """Every family's fused fp32 variant ships a kernels' graph: each MatMul by fp32 weights as
@@ -266,7 +308,7 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
         for name in node.input:
             readers.setdefault(name, []).append(node)
     initializers = {i.name: i for i in graph.graph.initializer}
-    matmuls = [n for n in graph.graph.node if _fp32_matmul_weights(n, initializers, producers, set())]
+    matmuls = [n for n in graph.graph.node if _fp32_matmul_weights(n, initializers, producers)]
     transposed = [producers[n.input[1]] for n in matmuls if n.input[1] not in initializers]
     swiglus = []  # (Split, Sigmoid, SiLU's Mul, the product's Mul) after a packed gate/up MatMul
     for matmul in matmuls:
