@@ -53,7 +53,7 @@
 #define TILE 16                                    /* output columns per vector */
 #define TILE_BLOCK_BYTES_8 (BLOCK * TILE + TILE * 4 + TILE)      /* codes, scales, zero points: 592 */
 #define TILE_BLOCK_BYTES_4 (BLOCK * TILE / 2 + TILE * 2 + TILE * 2 + TILE)  /* codes, scales, offsets, zero points: 336 */
-#define TILES_PER_ITEM 4                           /* one work item: 64 columns */
+#define LONE_ROWS 8                                /* fewer rows: 4 tiles (64 columns) a work item, else 2 */
 #define ROWS_PER_CHUNK 64                          /* rows whose activations stay in L1/L2 together */
 #define PAIR_ROWS 16                               /* rows from which tiles go two at a time (tiles_rows) */
 #define AHEAD_TILES 2                              /* how far ahead a tile's first rows fetch weights (fetch_ahead) */
@@ -179,7 +179,7 @@ static inline void store_tile(float* y, int64_t n, int64_t tile, __m512 acc) {
 
 typedef struct {
     const Weights* w;
-    int64_t rows, items_per_chunk, chunks, shards;
+    int64_t rows, tiles_per_item, items_per_chunk, chunks, shards;
     const int8_t* codes;       /* [rows][k] */
     const float* scale;        /* [rows][blocks] */
     const int32_t* code_sum;   /* [rows][blocks] */
@@ -311,13 +311,20 @@ static inline __attribute__((always_inline)) void tiles_rows(const Job* job, int
     }
 }
 
-/* Work item i of `items` = (row chunk, group of TILES_PER_ITEM tiles), chunk-major so that a thread's
-   consecutive items reuse one chunk's activations. A shard is a contiguous run of items. */
+/* Work item i of `items` = (row chunk, group of tiles_per_item tiles), chunk-major so that a thread's
+   consecutive items reuse one chunk's activations. A shard is a contiguous run of items.
+
+   Why the width depends on the rows: from 8 rows up the products bound the op, and a 576-column
+   projection's 9 items of 4 tiles split 5 to 4 over two threads; items of 2 tiles ran SmolLM2's int8 and
+   int4 decode steps 3% to 4% faster at 8 and 32 rows (int4 at 32: 4% and 8% in two runs). Under 8 rows the memory's rate
+   bounds it, a thread that finishes first leaves the other the whole rate, and items of 2 tiles ran a
+   lone row 1% (int8) and 6% (int4) slower: each shard starts where fetch_ahead has not run. */
 typedef struct { int64_t t0, t1, r0, r1; } Item;  /* tiles [t0, t1) for rows [r0, r1) */
 
 static inline Item item_of(const Job* job, int64_t i) {
     int64_t chunk = i / job->items_per_chunk, group = i % job->items_per_chunk;
-    Item item = {group * TILES_PER_ITEM, (group + 1) * TILES_PER_ITEM, chunk * ROWS_PER_CHUNK, (chunk + 1) * ROWS_PER_CHUNK};
+    Item item = {group * job->tiles_per_item, (group + 1) * job->tiles_per_item, chunk * ROWS_PER_CHUNK,
+                 (chunk + 1) * ROWS_PER_CHUNK};
     if (item.t1 > job->w->tiles) item.t1 = job->w->tiles;
     if (item.r1 > job->rows) item.r1 = job->rows;
     return item;
@@ -579,8 +586,9 @@ static int matmul(const Weights* w, const float* x, float* y, int64_t rows, Para
     int32_t* sums = malloc(sizeof(int32_t) * (size_t)rows * w->blocks);
     float* x_sums = malloc(sizeof(float) * (size_t)rows * w->blocks);
     if (!codes || !scales || !sums || !x_sums) { free(codes); free(scales); free(sums); free(x_sums); return 0; }
-    Job job = {w, rows, (w->tiles + TILES_PER_ITEM - 1) / TILES_PER_ITEM, (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK,
-               0, codes, scales, sums, x_sums, (const uint16_t*)codes, y};
+    int64_t tiles_per_item = rows < LONE_ROWS ? 4 : 2;  /* even: a gated pair never splits */
+    Job job = {w, rows, tiles_per_item, (w->tiles + tiles_per_item - 1) / tiles_per_item,
+               (rows + ROWS_PER_CHUNK - 1) / ROWS_PER_CHUNK, 0, codes, scales, sums, x_sums, (const uint16_t*)codes, y};
     QuantizeJob quantize = {&job, x, codes, scales, sums, x_sums, rows < 16 ? rows : 16};
     /* on the threads from 16 rows up: at 32 rows quantizing on one thread left the other idle for up to
        a tenth of the op (a 576 x 576 projection: 65 us, 59 with both threads) */
