@@ -55,7 +55,9 @@ an earlier Kiln): its cpu-int4 and cpu-int8 run in the same rounds as rows marke
 change to the compiler is measured side by side with what it replaced. --also LABEL=ARTIFACT:VARIANT
 (repeatable) runs any other Kiln build in the same rounds, as the row "Kiln VARIANT, LABEL" (e.g. a
 cpu-int8 in blocks of 64 from bench/smollm2-variants.yaml, against genai's int8 like the others).
-Writes JSON and prints a Markdown table.
+Writes JSON and prints a Markdown table, then each of issue 19's targets as met or MISSED (judged on
+the rows this host runs by default: "Kiln cpu-fp32", "cpu-int8", "cpu-int4"; saved in the JSON as
+"targets"). `--show JSON` prints a saved run so, and runs nothing.
 """
 
 from __future__ import annotations
@@ -450,6 +452,24 @@ def noise_from_twins(backends: list, rows: list[dict]) -> list[dict]:
             for same in by_graph.values() if len(same) > 1]
 
 
+def show(path: Path) -> None:
+    """--show: a saved run printed as it was, its targets judged again (a run from before they were saved)."""
+    try:
+        report = json.loads(path.read_text())
+        report["rows"], report["floors"]["readings"]  # noqa: B018 - the fields print_report reads
+    except (OSError, ValueError, KeyError, TypeError) as error:
+        raise SystemExit(f"error: --show {path}: not a saved bench/peers.py run ({error}); "
+                         "pass the JSON a run wrote with --output") from None
+    for row in report["rows"]:  # JSON's keys are strings
+        for key in ("x_eager", "x_genai"):
+            if row.get(key):
+                row[key] = {int(b): x for b, x in row[key].items()}
+    for twin in report["twins"]:
+        twin["spread"] = {int(b): x for b, x in twin["spread"].items()}
+    report["targets"] = issue_targets(report)
+    print_report(report)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--artifact", default=str(ROOT / "out" / "smollm2-135m-instruct"))
@@ -461,9 +481,13 @@ def main() -> None:
     parser.add_argument("--before", help="an older build of --work's kiln-quantized, run beside the new one")
     parser.add_argument("--also", action="append", default=[], metavar="LABEL=ARTIFACT:VARIANT",
                         help="another Kiln build to run in the same rounds (repeatable)")
+    parser.add_argument("--show", metavar="JSON", help="print a saved run's table and targets, and run nothing")
     parser.add_argument("--round", type=int, help=argparse.SUPPRESS)  # a worker: one timed round, JSON out
     args = parser.parse_args()
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    if args.show:
+        show(Path(args.show))
+        return
     if args.round is not None:
         print(json.dumps(timed_round(args, args.round)))
         return
@@ -533,15 +557,89 @@ def main() -> None:
     report = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "new_tokens": args.new_tokens,
               "prompts": PROMPTS, "prompt_tokens": [min(map(len, prompts)), max(map(len, prompts))],
               "heldout_tokens": sum(map(len, rows)), "floors": floors, "rows": rows_out, "twins": twins}
+    report["targets"] = issue_targets(report)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(json.dumps(report, indent=2) + "\n")
+    print_report(report)
+
+
+# Issue 19's targets: (what, the Kiln row it reads) as the benchmark measures them
+FP32_B1_FLOOR, FP32_B32_FLOOR = 0.90, 0.75
+INT8_TOP1, INT8_PERPLEXITY, INT8_X_GENAI_B1, INT8_X_EAGER_B1, INT8_X_FP32_B32 = 0.98, 0.01, 1.2, 4.0, 2.0
+INT4_TOP1 = 0.90
+
+
+def issue_targets(report: dict) -> list[dict]:
+    """Each of issue 19's targets as this run measured it: {"target", "measured", "met"}. The rows that
+    count are the variants as this host runs them ("Kiln cpu-fp32", "Kiln cpu-int8", "Kiln cpu-int4");
+    rows on MLAS, twins and other paths are printed, not judged. A target whose rows are missing is
+    left out."""
+    rows = {r["backend"]: r for r in report["rows"]}
+    floors = report["floors"]
+    eager = report["rows"][0]
+    kiln = {p: rows[f"Kiln cpu-{p}"] for p in ("fp32", "int8", "int4") if f"Kiln cpu-{p}" in rows}
+    genai = {p: rows[f"onnxruntime-genai {p}"] for p in kiln if f"onnxruntime-genai {p}" in rows}
+    out = []
+
+    def add(target: str, measured: str, met: bool) -> None:
+        out.append({"target": target, "measured": measured, "met": bool(met)})
+
+    cells = [(p, b, kiln[p]["x_genai"][b]) for p in genai for b in BATCHES]
+    top1 = [(p, kiln[p]["top1_agreement"], genai[p]["top1_agreement"]) for p in genai]
+    if cells:
+        add("ahead of onnxruntime-genai at every batch and precision, top-1 at least equal",
+            "; ".join(f"{p} " + "/".join(f"{x:.2f}" for q, _, x in cells if q == p) + "x, top-1 "
+                      f"{mine:.3f} against {theirs:.3f}" for p, mine, theirs in top1),
+            all(x > 1 for _, _, x in cells) and all(mine >= theirs for _, mine, theirs in top1))
+    if "fp32" in kiln:
+        b1, b32 = kiln["fp32"]["b1_tokens_per_s"], kiln["fp32"]["b32_tokens_per_s"]
+        steps, job = b1 / floors["b1_fp32_tokens_per_s"], b1 / floors["b1_fp32_job_tokens_per_s"]
+        add(f"fp32 batch 1 at >= {FP32_B1_FLOOR:.0%} of the bandwidth floor",
+            f"{steps:.0%} of the steps' floor ({job:.0%} with the prefills)", steps >= FP32_B1_FLOOR)
+        share = b32 / floors["b32_fp32_tokens_per_s"]
+        add(f"fp32 batch 32 at >= {FP32_B32_FLOOR:.0%} of the compute floor", f"{share:.0%}", share >= FP32_B32_FLOOR)
+    if "int8" in kiln:
+        int8 = kiln["int8"]
+        add(f"int8 top-1 >= {INT8_TOP1} and perplexity within {INT8_PERPLEXITY:.0%} of eager",
+            f"{int8['top1_agreement']:.3f}, {int8['perplexity_change']:+.2%}",
+            int8["top1_agreement"] >= INT8_TOP1 and abs(int8["perplexity_change"]) <= INT8_PERPLEXITY)
+        if "int8" in genai:
+            add(f"int8 batch 1 >= {INT8_X_GENAI_B1}x onnxruntime-genai's int8 and >= {INT8_X_EAGER_B1:.0f}x eager",
+                f"{int8['x_genai'][1]:.2f}x and {int8['x_eager'][1]:.1f}x",
+                int8["x_genai"][1] >= INT8_X_GENAI_B1 and int8["x_eager"][1] >= INT8_X_EAGER_B1)
+        if "fp32" in kiln:
+            ratio = int8["b32_tokens_per_s"] / kiln["fp32"]["b32_tokens_per_s"]
+            add(f"int8 batch 32 >= {INT8_X_FP32_B32:.0f}x Kiln's fp32", f"{ratio:.2f}x", ratio >= INT8_X_FP32_B32)
+    if "int4" in kiln:
+        int4 = kiln["int4"]
+        peer = "int4" in genai
+        add(f"int4 top-1 >= {INT4_TOP1:.0%}" + (", batch 1 ahead of onnxruntime-genai's int4" if peer else ""),
+            f"{int4['top1_agreement']:.3f}" + (f", {int4['x_genai'][1]:.2f}x" if peer else ""),
+            int4["top1_agreement"] >= INT4_TOP1 and (not peer or int4["x_genai"][1] > 1))
+    ours = [r for r in report["rows"] if r["backend"].startswith("Kiln")]
+    differ = [r["backend"] for r in ours if r["batch8_equal_batch1"] != ALONE_PROMPTS]
+    add("batch invariance: batch 8's greedy tokens equal batch 1's, every Kiln row",
+        "all equal" if not differ else "differ: " + ", ".join(differ), not differ)
+    slower = [r["backend"] for r in ours if any(r[f"b{b}_ttft_s"] > eager[f"b{b}_ttft_s"] for b in (1, 32))]
+    add("time to first token at batch 1 and 32 no slower than eager's, every Kiln row",
+        "all faster" if not slower else "slower: " + ", ".join(slower), not slower)
+    return out
+
+
+def print_report(report: dict) -> None:
+    """The run's floors, its table (Markdown), fp32 against the floors, the twins' noise and where issue
+    19's targets stand, from the report alone (`--show` prints a saved one)."""
+    floors = report["floors"]
+    readings = floors["readings"]
+    bandwidth, gflops, weights = floors["read_bandwidth_gbs"], floors["fp32_gemm_gflops"], floors["fp32_weight_bytes"]
+    rows_out, twins = report["rows"], report["twins"]
 
     print(f"cpu: {report['cpu']['model']} ({report['cpu']['cores']} cores; {' '.join(report['cpu']['flags'])})")
     spread = {key: f"{min(values):.0f}-{max(values):.0f}" for key, values in readings.items()}
     print(f"floors: fp32 b1 {floors['b1_fp32_tokens_per_s']:.1f} tok/s ({bandwidth:.1f} GB/s over "
           f"{weights / 1e6:.0f} MB a step), {floors['b1_fp32_job_tokens_per_s']:.1f} with the prefills' FLOPs; "
           f"fp32 b32 {floors['b32_fp32_tokens_per_s']:.0f} tok/s ({gflops:.0f} GFLOP/s); "
-          f"medians of {len(rates)} readings, {spread['read_bandwidth_gbs']} GB/s and "
+          f"medians of {len(readings['read_bandwidth_gbs'])} readings, {spread['read_bandwidth_gbs']} GB/s and "
           f"{spread['fp32_gemm_gflops']} GFLOP/s")
     print("read rate, each reading the faster of: numpy's max, one stream a thread, "
           f"{spread['read_numpy_gbs']} GB/s; "
@@ -567,6 +665,8 @@ def main() -> None:
         print(f"noise: {' and '.join(twin['backends'])} run the same graph, byte for byte, and are "
               + " / ".join(f"{twin['spread'][b]:.0%}" for b in BATCHES)
               + " apart at batch 1 / 8 / 32: ratios closer to 1 than that are this run's noise")
+    for target in report.get("targets", []):
+        print(f"target {'met' if target['met'] else 'MISSED'}: {target['target']}: {target['measured']}")
 
 
 if __name__ == "__main__":
