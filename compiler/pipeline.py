@@ -195,10 +195,8 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
         if skipped and strict:
             lines = "; ".join(f"{n}: {reason}" for n, reason in skipped.items())
             raise EngineUnavailable(f"--strict: engines not built: {lines}")
-        failed = {n: v["failed_gates"] for n, v in built.items() if v["status"] == "failed"}
-        if failed and not keep_failed:
-            lines = "; ".join(f"{n}: {', '.join(g)}" for n, g in failed.items())
-            raise GateFailure(f"accuracy gates missed: {lines} (compile with --keep-failed to keep and inspect them)")
+        if any(v["status"] == "failed" for v in built.values()) and not keep_failed:
+            raise GateFailure(gate_failure(built))
         with log.stage("package"):
             shutil.rmtree(staging / ".work")
             write_json(staging / "reports" / "export-validation.json", validation)
@@ -294,6 +292,16 @@ def in_child_process(function: Callable[..., Any], *args: Any) -> Any:
     if status == "error":
         raise value
     return value
+
+
+def gate_failure(built: dict[str, dict[str, Any]]) -> str:
+    """The one line for variants that missed their gates: each one's misses, and where its graph for Kiln's
+    CPU kernels passed them, how to ship it for hosts that run those kernels."""
+    lines = "; ".join(f"{name}: {', '.join(entry['failed_gates'])}" + (
+        " (its graph for Kiln's CPU kernels passes them: `cpu_kernels: required` ships it for hosts that run "
+        "those kernels)" if "kernel_accuracy" in entry and "cpu_kernels" not in entry else "")
+        for name, entry in built.items() if entry["status"] == "failed")
+    return f"accuracy gates missed: {lines} (compile with --keep-failed to keep and inspect them)"
 
 
 def _child_main(send: Any, function: Callable[..., Any], args: tuple, parent: int) -> None:
@@ -463,20 +471,25 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         backend.close()  # before the memory measurement's process loads the graph again
     release_freed_memory()
     metrics, failures = comparison["summary"], comparison["failed_gates"]
+    required = variant.cpu_kernels == "required"
     log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
              f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
-             + (f"; FAILED {', '.join(failures)}" if failures else ""))
+             + (f"; {'missed (not gated: cpu_kernels required)' if required else 'FAILED'} {', '.join(failures)}"
+                if failures else ""))
     kernel_summary: dict[str, Any] = {}
+    kernel_failures: list[str] = []
     report["cpu_kernels"] = {"nodes": kernels_why if kernels is not None else 0}
-    if kernels is not None:
-        if failures:
-            kernels_why = "not measured: the variant failed its gates"
-        else:
-            kernel_summary, kernels_why = _kernel_accuracy(variant, kernels, against_eager, log)
+    if kernels is not None:  # measured also where model.onnx failed: whether the kernels' graph would pass
+        kernel_summary, kernels_why, kernel_failures = _kernel_accuracy(variant, kernels, against_eager, log)
         if not kernel_summary:
             shutil.rmtree(kernels.folder)
     if not kernel_summary:
         report["cpu_kernels"]["why_not"] = kernels_why
+    model_failures: list[str] = []
+    if required:  # the kernels' graph decides; model.onnx's misses are recorded, and the runtime never runs it
+        model_failures = failures
+        failures = [] if kernel_summary else [f"{f} on Kiln's CPU kernels" for f in kernel_failures] or [
+            f"cpu_kernels required, but no graph for them passed or was measured: {kernels_why}"]
     folder = staging / "variants" / variant.name
     folder.mkdir(parents=True)
     for name in graph.files:
@@ -504,6 +517,10 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if GENAI_MODEL_FILE in graph.files:
         summary["genai_model"] = f"variants/{variant.name}/{GENAI_MODEL_FILE}"
     summary.update(kernel_summary)
+    if required:
+        summary["cpu_kernels"] = "required"
+        if model_failures:
+            summary["model_failed_gates"] = model_failures
     if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
         with log.spinner("measuring memory in a fresh process"):
             # Of the graph a CPU host runs: the kernels' where it has them (their packed weights added).
@@ -533,33 +550,36 @@ def _kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str,
 
 
 def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any,
-                     log: StageLog) -> tuple[dict[str, Any], str]:
+                     log: StageLog) -> tuple[dict[str, Any], str, list[str]]:
     """The graph for Kiln's CPU kernels measured against eager as the variant's graph was, under the same
-    gates: its manifest keys where it passes, else nothing and why not. It is not held to fp32's
-    tolerance against the variant's graph (compiler/optimize.py, kernel_graph)."""
+    gates: its manifest keys where it passes, else nothing and why not; and the gates it missed. It is not
+    held to fp32's tolerance against the variant's graph (compiler/optimize.py, kernel_graph)."""
     from runtime.cpu_kernels import library
 
     path, why = library()
     if path is None:
         log.note(f"cpu kernels: not run on this machine ({why}); the variant ships without their graph")
-        return {}, f"not measured: the build machine cannot run them ({why})"
+        return {}, f"not measured: the build machine cannot run them ({why})", []
     stem = f"{variant.name}+kernels"  # "+" is in no variant's name: no other report can be called this
     with log.step("accuracy against eager, Kiln's CPU kernels"):
         try:
             backend = OnnxRuntimeBackend(kernels.model_path, kernels.interface, kernels=path)
         except Exception as error:  # noqa: BLE001 - ONNX Runtime refused the graph: the variant ships without it
             log.note(f"cpu kernels: ONNX Runtime could not load their graph ({error}); the variant ships without it")
-            return {}, f"ONNX Runtime could not load the graph: {error}"
+            return {}, f"ONNX Runtime could not load the graph: {error}", []
         comparison = against_eager(backend, stem, "ONNX Runtime CPU with Kiln's kernels")
         backend.close()
     release_freed_memory()
     metrics, failures = comparison["summary"], comparison["failed_gates"]
     log.note(f"cpu kernels: perplexity {metrics['perplexity_change']:+.2%}, top-1 "
              f"{metrics['top1_agreement']:.3f}, greedy match {metrics['greedy_match']:.2f}"
-             + (f"; FAILED {', '.join(failures)}: the variant ships without their graph" if failures else ""))
+             + (f"; FAILED {', '.join(failures)}" + (": the variant fails (cpu_kernels required)"
+                                                      if variant.cpu_kernels == "required"
+                                                      else ": the variant ships without their graph")
+                if failures else ""))
     if failures:
-        return {}, f"failed {', '.join(failures)} against eager"
-    return {"kernel_accuracy": metrics, "kernel_comparison": f"reports/{stem}.html"}, ""
+        return {}, f"failed {', '.join(failures)} against eager", failures
+    return {"kernel_accuracy": metrics, "kernel_comparison": f"reports/{stem}.html"}, "", []
 
 
 def _note_layerwise(records: list[dict[str, Any]], log: StageLog) -> None:

@@ -96,7 +96,27 @@ def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | Non
     library = kernel_library(entry, providers)
     if library is not None:
         return OnnxRuntimeBackend(folder / entry["kernel_model"], kernel_interface(entry), providers, threads, library)
+    refused = kernels_required(entry, providers)
+    if refused:
+        raise IncompatibleArtifact(refused)
     return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
+
+
+def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+    """Why this host may not run the variant, where it is for Kiln's CPU kernels alone (the recipe's
+    `cpu_kernels: required`: its gates held their graph, not model.onnx's) and they do not run here; else
+    None."""
+    if entry.get("cpu_kernels") != "required" or kernel_library(entry, providers) is not None:
+        return None
+    from . import cpu_kernels
+
+    why = (cpu_kernels.library()[1] if (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+           else f"the providers asked for ({', '.join(providers or [])}) are not the CPU's")
+    missed = (f"; its model.onnx missed them: {', '.join(entry['model_failed_gates'])}"
+              if entry.get("model_failed_gates") else "")
+    return (f"variant {entry.get('name', '?')!r} runs only on Kiln's CPU kernels (cpu_kernels: required, its gates "
+            f"held their graph{missed}), which do not run here: {why}; pick another variant, or run it on an x86-64 "
+            "host with AVX-512 VNNI")
 
 
 def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) -> Path | None:

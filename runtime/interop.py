@@ -238,6 +238,10 @@ def export_folder(artifact: Any, variant: str, tool: str, out: Path, link: bool 
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArtifactError(f"{out}: already exists and is not an empty folder; choose a new folder")
     entry = artifact.manifest["variants"][variant]
+    if entry.get("model_failed_gates"):  # the other tools run model.onnx, which no gate vouches for
+        raise ArtifactError(f"variant {variant!r} is for Kiln's CPU kernels alone: its model.onnx, which {tool} would "
+                            f"run, missed its gates ({', '.join(entry['model_failed_gates'])}); export a variant "
+                            "whose model.onnx passed them")
     files = sidecar_files(artifact.manifest, variant, artifact.tokenizer_dir, (tool,))
     problem = optimum_problem(artifact.manifest, variant) if tool == "optimum" else None
     if problem:

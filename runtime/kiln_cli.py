@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from .command import OneLineGroup
-from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
+from .errors import IncompatibleArtifact, KilnError, interrupted_exit_code, unwind_on_sigterm
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -263,7 +263,11 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
     kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
                                          (entry.get("quantize") or {}).get("mode")) if k)
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
-    from .backend import served_interface
+    from .backend import kernels_required, served_interface
+
+    refused = None if device else kernels_required(entry)
+    if refused:  # its plan would be of a graph this host never runs
+        raise IncompatibleArtifact(refused)
 
     return (title, entry["interface"] if device else served_interface(entry), entry.get("memory"), weights,
             opened.manifest["model"]["max_context"], entry.get("target"))
@@ -326,7 +330,9 @@ def _describe_variant(artifact, entry: dict) -> str:
              f"  graph      {graph} ({entry.get('node_count', '?')} nodes)"]
     if accuracy:
         lines.append(f"  accuracy   top-1 {accuracy['top1_agreement']:.3f}, perplexity "
-                     f"{accuracy['perplexity_change']:+.2%}, greedy match {accuracy['greedy_match']:.2f} vs eager")
+                     f"{accuracy['perplexity_change']:+.2%}, greedy match {accuracy['greedy_match']:.2f} vs eager"
+                     + (f"; missed its gates ({', '.join(entry['model_failed_gates'])}): not run, the variant is "
+                        "for Kiln's CPU kernels alone" if entry.get("model_failed_gates") else ""))
     if "kernel_model" in entry:
         from .cpu_kernels import bf16, library
 
@@ -334,7 +340,9 @@ def _describe_variant(artifact, entry: dict) -> str:
         measured = entry["kernel_accuracy"]
         lines.append(f"  kernels    {artifact.folder / entry['kernel_model']}: top-1 {measured['top1_agreement']:.3f}, "
                      f"perplexity {measured['perplexity_change']:+.2%} vs eager; "
-                     + ("this host runs it" if kernels else f"this host runs the graph above ({why})")
+                     + ("this host runs it" if kernels else
+                        f"this host cannot run the variant ({why}): it is for these kernels alone"
+                        if entry.get("cpu_kernels") == "required" else f"this host runs the graph above ({why})")
                      + ("; prompts of different lengths prefill in one step"
                         if kernels and entry.get("kernel_prefill") == "batched" else "")
                      + (f"; its KV cache {entry['kernel_kv_cache']}" if "kernel_kv_cache" in entry else "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -249,6 +250,69 @@ def test_missed_gate_fails_the_compile_with_its_numbers(tiny_checkpoints, tmp_pa
     entry = json.loads((tmp_path / "kept" / "manifest.json").read_text())["variants"]["cpu-int4"]
     assert entry["status"] == "failed" and entry["failed_gates"][0].startswith("top1_agreement")
     Generator.load(tmp_path / "kept", "cpu-int4")  # kept for inspection, loadable by name
+
+
+def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny_checkpoints, tmp_path, monkeypatch):
+    """`cpu_kernels: required`: the gates hold the graph for Kiln's CPU kernels, model.onnx is measured and its
+    misses recorded, and the runtime runs the variant only where the kernels run (one line elsewhere, and the
+    default variant is then another). The same variant without the key fails, and the compile's line says its
+    kernels' graph passed. The gate is set between the two graphs' numbers for the same int4 weights (bf16
+    activations on the kernel, int8 blocks on MLAS), as the quantized fixture measured them."""
+    from compiler.pipeline import gate_failure
+    from runtime import cpu_kernels
+    from runtime.artifact import Artifact
+    from runtime.errors import ArtifactError, IncompatibleArtifact
+    from runtime.interop import export_folder
+
+    if cpu_kernels.library()[0] is None:
+        pytest.skip("Kiln's CPU kernels do not run on this machine")
+    measured = json.loads((quantized / "manifest.json").read_text())["variants"]["cpu-int4-gptq"]
+    model, kernels = measured["accuracy"], measured["kernel_accuracy"]
+    if not kernels["kl_divergence"] < model["kl_divergence"]:
+        pytest.skip(f"the kernels' graph is not closer to eager here (KL {kernels['kl_divergence']:.3g} against "
+                    f"{model['kl_divergence']:.3g}): no gate between them")
+    gate = f"gates: {{kl_divergence: {(kernels['kl_divergence'] + model['kl_divergence']) / 2!r}}}"
+    int4 = "target: onnxruntime, quantize: {mode: int4, rounding: gptq}"
+    variants = (f"  - {{name: int4-kernels, {int4}, cpu_kernels: required, {gate}}}\n"
+                f"  - {{name: int4-anywhere, {int4}, {gate}}}\n"
+                "  - {name: cpu-fp32, target: onnxruntime}\n")
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], variants=variants,
+                          extra="validate: {max_new_tokens: 8}\n")
+    folder = compile_recipe(recipe, tmp_path / "out", keep_failed=True)
+    built = json.loads((folder / "manifest.json").read_text())["variants"]
+    required, anywhere = built["int4-kernels"], built["int4-anywhere"]
+    assert required["status"] == "built" and required["cpu_kernels"] == "required"
+    assert required["model_failed_gates"][0].startswith("kl_divergence") and "kernel_model" in required
+    assert anywhere["status"] == "failed" and anywhere["failed_gates"][0].startswith("kl_divergence")
+    assert "cpu_kernels" not in anywhere and "kernel_accuracy" in anywhere
+    line = gate_failure(built)
+    assert "int4-anywhere: kl_divergence" in line and "`cpu_kernels: required` ships it" in line
+    assert "int4-kernels" not in line and "\n" not in line
+
+    generator = Generator.load(folder)  # the first built variant this host runs
+    assert generator.backend.kernels == cpu_kernels.library()[0]
+    assert generator.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4, ignore_eos=True))[0].generated_tokens == 4
+    with pytest.raises(ArtifactError, match="is for Kiln's CPU kernels alone: its model.onnx, which genai would run"):
+        export_folder(Artifact.open(folder), "int4-kernels", "genai", tmp_path / "genai")
+    assert not (tmp_path / "genai").exists()
+
+    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+    cpu_kernels.library.cache_clear()
+    try:
+        with pytest.raises(IncompatibleArtifact) as refused:
+            Generator.load(folder, "int4-kernels")
+        assert "runs only on Kiln's CPU kernels" in str(refused.value) and "KILN_CPU_KERNELS=0" in str(refused.value)
+        assert "kl_divergence" in str(refused.value) and "\n" not in str(refused.value)
+        assert Artifact.open(folder).variant()["name"] == "cpu-fp32"  # the default: one this host runs
+        off = {**os.environ, cpu_kernels.DISABLE_VARIABLE: "0"}
+        for command in (["runtime.cli", f"{folder}", "--variant", "int4-kernels", "--prompt", "Hi"],
+                        ["runtime.kiln_cli", "plan", f"{folder}", "--variant", "int4-kernels", "--memory", "4GiB"]):
+            done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, env=off)
+            assert done.returncode != 0 and "runs only on Kiln's CPU kernels" in done.stderr, done.stderr
+            assert done.stderr.strip().count("\n") == 0
+    finally:
+        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
+        cpu_kernels.library.cache_clear()
 
 
 def test_metrics_on_known_arrays():

@@ -100,6 +100,14 @@ BAD = {
         ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, precision: fp16, kv_cache: float16}"),
         "variants.0: kv_cache: float16 is for fp32 onnxruntime variants with fuse on",
     ),
+    "cpu kernels required on tensorrt": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, cpu_kernels: required}"),
+        "variants.0: cpu_kernels: required is for onnxruntime variants",
+    ),
+    "cpu kernels of another kind": (
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, cpu_kernels: always}"),
+        "variants.0.cpu_kernels: input should be 'optional' or 'required' (got 'always')",
+    ),
     "kv cache of another type": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, kv_cache: int8}"),
         "kv_cache",
