@@ -79,9 +79,10 @@ def write_tokenizer(checkpoint: Checkpoint, folder: Path) -> None:
 
 def write_sidecars(folder: Path, sections: dict[str, Any]) -> None:
     """config.json, genai_config.json and the tokenizer beside each onnxruntime variant's graph, so that
-    Optimum and onnxruntime-genai open the variant's folder as it is (runtime/interop.py)."""
+    Optimum and onnxruntime-genai open the variant's folder as it is (runtime/interop.py); not beside a
+    model.onnx that missed its gates (a variant for Kiln's CPU kernels alone)."""
     for name, entry in sections["variants"].items():
-        if entry["target"] != "onnxruntime":
+        if entry["target"] != "onnxruntime" or entry.get("model_failed_gates"):  # no tool is to open that model.onnx
             continue
         files = sidecar_files(sections, name, folder / "tokenizer")
         for file, data in files.items():

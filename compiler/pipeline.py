@@ -489,7 +489,7 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
     if required:  # the kernels' graph decides; model.onnx's misses are recorded, and the runtime never runs it
         model_failures = failures
         failures = [] if kernel_summary else [f"{f} on Kiln's CPU kernels" for f in kernel_failures] or [
-            f"cpu_kernels required, but no graph for them passed or was measured: {kernels_why}"]
+            f"cpu_kernels required, but no graph for them passed or was measured: {str(kernels_why).splitlines()[0]}"]
     folder = staging / "variants" / variant.name
     folder.mkdir(parents=True)
     for name in graph.files:

@@ -237,6 +237,9 @@ class Variant(_Strict):
         if self.cpu_kernels == "required" and self.target != "onnxruntime":
             raise ValueError("cpu_kernels: required is for onnxruntime variants (Kiln's CPU kernels run their graphs); "
                              "leave it out here")
+        if self.cpu_kernels == "required" and self.quantize is not None and self.quantize.exclude == "auto":
+            raise ValueError("cpu_kernels: required with exclude: auto: the search measures model.onnx, not the "
+                             "kernels' graph; name the modules to exclude, or leave exclude out")
         build = (self.precision, self.quantize.mode if self.quantize else None)
         if build not in BUILDS_BY_TARGET[self.target]:
             allowed = ", ".join(f"{p}" + (f" + {m}" if m else "") for p, m in sorted(

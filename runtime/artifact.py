@@ -115,10 +115,9 @@ class Artifact:
         cache.save()
 
     def variant(self, name: str | None = None) -> dict[str, Any]:
-        """A built variant's manifest entry; without a name, the first one built that this host runs (one
-        for Kiln's CPU kernels alone, `cpu_kernels: required`, where they run; where every one is such, the
-        first, which open_backend then refuses in one line). A variant that missed its accuracy gates
-        (kept by compile-model --keep-failed) loads only when named."""
+        """A built variant's manifest entry; without a name, the first one built (runtime/backend.py
+        runnable_variant: the first this host runs). A variant that missed its accuracy gates (kept by
+        compile-model --keep-failed) loads only when named."""
         variants = self.manifest["variants"]
         status = variants.get(name, {}).get("status")
         if status == "failed":
@@ -133,10 +132,8 @@ class Artifact:
             named = f"no variant {name!r}; " if name is not None else ""
             kept = f"; variants that missed their gates load only when named: {', '.join(failed)}" if failed else ""
             raise IncompatibleArtifact(f"{self.folder}: {named}the artifact holds no built variant{kept}")
-        if name is None:  # the first this host runs: one for Kiln's CPU kernels alone only where they run
-            from .backend import kernels_required
-
-            name = next((k for k, v in built.items() if not kernels_required(v)), next(iter(built)))
+        if name is None:
+            name = next(iter(built))
         if name not in built:
             raise IncompatibleArtifact(
                 f"{self.folder}: no built variant {name!r}; built variants: {', '.join(built)}"

@@ -102,6 +102,20 @@ def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | Non
     return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
 
 
+def runnable_variant(artifact: Any, name: str | None = None, providers: list[str] | None = None) -> dict[str, Any]:
+    """artifact.variant(name) where this host runs it, refused in one line before anything is loaded where
+    it does not (a variant for Kiln's CPU kernels alone, and they do not run here); without a name, the
+    first built variant this host runs."""
+    if name is None:
+        built = [n for n, e in artifact.manifest["variants"].items() if e.get("status") == "built"]
+        name = next((n for n in built if not kernels_required(artifact.manifest["variants"][n], providers)), None)
+    entry = artifact.variant(name)
+    refused = kernels_required(entry, providers)
+    if refused:
+        raise IncompatibleArtifact(refused)
+    return entry
+
+
 def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
     """Why this host may not run the variant, where it is for Kiln's CPU kernels alone (the recipe's
     `cpu_kernels: required`: its gates held their graph, not model.onnx's) and they do not run here; else
@@ -115,8 +129,8 @@ def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) 
     missed = (f"; its model.onnx missed them: {', '.join(entry['model_failed_gates'])}"
               if entry.get("model_failed_gates") else "")
     return (f"variant {entry.get('name', '?')!r} runs only on Kiln's CPU kernels (cpu_kernels: required, its gates "
-            f"held their graph{missed}), which do not run here: {why}; pick another variant, or run it on an x86-64 "
-            "host with AVX-512 VNNI")
+            f"held their graph{missed}), which do not run here: {why}; pick another variant, or run it where they do "
+            "(the CPU provider, an x86-64 CPU with AVX-512 VNNI)")
 
 
 def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) -> Path | None:

@@ -231,13 +231,13 @@ class Answerer:
     @classmethod
     def load(cls, config: BatchConfig, fmt: str) -> Answerer:
         from .artifact import Artifact
-        from .backend import open_backend
+        from .backend import open_backend, runnable_variant
         from .generator import Generator
         from .memory import require_fit
         from .tokenizer import Tokenizer
 
         artifact = Artifact.open(config.artifact, verify=config.verify)
-        entry = artifact.variant(config.variant)
+        entry = runnable_variant(artifact, config.variant)
         require_fit(artifact.manifest, entry, config.max_batch_size, prefill_tokens=config.max_prefill_tokens)
         backend = open_backend(artifact.folder, entry, None, config.threads, verified=config.verify)
         generator = Generator(artifact, backend, Tokenizer(artifact.tokenizer_dir), config.max_batch_size,
@@ -540,6 +540,12 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
     answerer = None if config.ray else _load_answerer(config, scan.format)
     if config.ray:
         _import_ray()
+        from .artifact import Artifact
+        from .backend import runnable_variant
+
+        # one variant for every worker, named here: each worker's own default could differ with its host
+        config = replace(config, variant=runnable_variant(Artifact.open(config.artifact, verify=False),
+                                                          config.variant)["name"])
         undecodable = next((line for line, error in scan.unreadable if error.code == "invalid_encoding"), None)
         if undecodable is not None:  # Ray Data's read_text fails on the whole file for one such line
             raise KilnError(f"INPUT line {undecodable} is not UTF-8, and Ray Data cannot read such a file; fix "

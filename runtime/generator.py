@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .artifact import Artifact
-from .backend import open_backend
+from .backend import open_backend, runnable_variant
 from .engine import DEFAULT_PARAMS, Engine, Event, Prompt, RequestError, Result, left_padded
 from .memory import require_fit
 from .sampling import SamplingParams
@@ -38,7 +38,7 @@ class Generator:
              threads: int | None = None, max_batch_size: int = 32, verify: bool = True,
              max_prefill_tokens: int = 512) -> Generator:
         artifact = Artifact.open(artifact_dir, verify=verify)
-        entry = artifact.variant(variant)
+        entry = runnable_variant(artifact, variant, providers)
         require_fit(artifact.manifest, entry, max_batch_size, providers, max_prefill_tokens)
         backend = open_backend(artifact.folder, entry, providers, threads, verified=verify)
         return cls(artifact, backend, Tokenizer(artifact.tokenizer_dir), max_batch_size, max_prefill_tokens)

@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from .command import OneLineGroup
-from .errors import IncompatibleArtifact, KilnError, interrupted_exit_code, unwind_on_sigterm
+from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -257,17 +257,15 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
         max_context = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
         return (f"kiln plan: {config_file} ({dtype}, from its shapes alone)", interface, None, weights, max_context,
                 None)
+    from .backend import runnable_variant, served_interface
+
     opened = Artifact.open(artifact, verify=False)  # the plan reads the manifest only
-    entry = opened.variant(variant)
+    # a plan of a graph this host (or, with --device, a GPU) never runs is refused
+    entry = runnable_variant(opened, variant, ["CUDAExecutionProvider"] if device else None)
     weights = variant_file_bytes(opened.manifest, entry)
     kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
                                          (entry.get("quantize") or {}).get("mode")) if k)
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
-    from .backend import kernels_required, served_interface
-
-    refused = None if device else kernels_required(entry)
-    if refused:  # its plan would be of a graph this host never runs
-        raise IncompatibleArtifact(refused)
 
     return (title, entry["interface"] if device else served_interface(entry), entry.get("memory"), weights,
             opened.manifest["model"]["max_context"], entry.get("target"))
@@ -370,6 +368,8 @@ def _describe_variant(artifact, entry: dict) -> str:
         lines.append(f"  opens in   {tools} from {graph.parent}")
         if problem:
             lines.append(f"  not in     {problem}")
+    elif entry.get("model_failed_gates"):
+        lines.append("  opens in   Kiln alone: its model.onnx, which other tools would run, missed its gates")
     elif entry.get("target") == "onnxruntime":
         lines.append("  opens in   kiln export-for optimum|genai writes a folder the tool opens")
     return "\n".join(lines)
@@ -390,6 +390,9 @@ def export_for(tool: str, spec: str, out: Path, copy: bool) -> None:
     folder, name = _artifact_variant(spec)
     try:
         artifact = Artifact.open(folder)  # verified: what is handed on is what was compiled
+        if name is None:  # the first built variant whose model.onnx, which the tool runs, passed its gates
+            name = next((n for n, e in artifact.manifest["variants"].items()
+                         if e.get("status") == "built" and not e.get("model_failed_gates")), None)
         variant = artifact.variant(name)["name"]
         written = export_folder(artifact, variant, tool, out, link=not copy)
     except Exception as exc:

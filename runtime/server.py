@@ -539,9 +539,10 @@ def serve(config: ServeConfig) -> int:
     import uvicorn
 
     from .artifact import Artifact
+    from .backend import runnable_variant
 
     artifact = Artifact.open(config.artifact, verify=config.verify)
-    entry = artifact.variant(config.variant)
+    entry = runnable_variant(artifact, config.variant)
     if config.max_tokens_in_flight is None:
         config = dataclasses.replace(config, max_tokens_in_flight=admission_budget(artifact.manifest, entry, config))
     service = Service(config, artifact, entry)

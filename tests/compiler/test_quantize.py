@@ -285,6 +285,11 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
     assert required["model_failed_gates"][0].startswith("kl_divergence") and "kernel_model" in required
     assert anywhere["status"] == "failed" and anywhere["failed_gates"][0].startswith("kl_divergence")
     assert "cpu_kernels" not in anywhere and "kernel_accuracy" in anywhere
+    assert "sidecars" not in required and not (folder / "variants" / "int4-kernels" / "genai_config.json").exists()
+    from runtime.kiln_cli import _describe_variant
+
+    opened = Artifact.open(folder)
+    assert "opens in   Kiln alone" in _describe_variant(opened, opened.variant("int4-kernels"))
     line = gate_failure(built)
     assert "int4-anywhere: kl_divergence" in line and "`cpu_kernels: required` ships it" in line
     assert "int4-kernels" not in line and "\n" not in line

@@ -104,6 +104,11 @@ BAD = {
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, cpu_kernels: required}"),
         "variants.0: cpu_kernels: required is for onnxruntime variants",
     ),
+    "cpu kernels required with exclude auto": (
+        ("{name: cpu-fp32, target: onnxruntime}",
+         "{name: c, target: onnxruntime, quantize: {mode: int4, exclude: auto}, cpu_kernels: required}"),
+        "variants.0: cpu_kernels: required with exclude: auto: the search measures model.onnx",
+    ),
     "cpu kernels of another kind": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, cpu_kernels: always}"),
         "variants.0.cpu_kernels: input should be 'optional' or 'required' (got 'always')",
