@@ -23,7 +23,7 @@ import yaml
 from pydantic import ValidationError
 
 from runtime.artifact import Artifact
-from runtime.backend import open_backend
+from runtime.backend import open_backend, runnable_variant
 from runtime.errors import IncompatibleArtifact
 from runtime.files import read_utf8
 
@@ -129,7 +129,7 @@ def _variant_entry(artifact: Artifact, name: str | None) -> dict[str, Any]:
         raise IncompatibleArtifact(f"{artifact.folder}: variant {name!r} has no ONNX graph to run here")
     if name is not None:
         raise IncompatibleArtifact(f"{artifact.folder}: no variant {name!r}; variants: {', '.join(variants)}")
-    return artifact.variant(None)
+    return runnable_variant(artifact)
 
 
 # -- inputs and gates -----------------------------------------------------------------------------

@@ -73,7 +73,7 @@ def _check_output(output: str | None) -> None:
 
 @click.command("run-model", cls=OneLineCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("artifact", type=click.Path())
-@click.option("--variant", help="Variant to run [default: the first built one].")
+@click.option("--variant", help="Variant to run [default: the first built one this host runs].")
 @click.option("--prompt", "texts", multiple=True, help="A prompt (repeatable).")
 @click.option("--prompts-file", type=click.Path(exists=True, dir_okay=False),
               help='JSONL: {"prompt": "..."} or {"messages": [...]} per line.')

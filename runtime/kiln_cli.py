@@ -68,7 +68,7 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 
 @kiln.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--variant", help="Variant to serve [default: the first built one].")
+@click.option("--variant", help="Variant to serve [default: the first built one this host runs].")
 @click.option("--host", default="127.0.0.1", show_default=True,
               help="Address to listen on (0.0.0.0 for every interface).")
 @click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any free port, printed).")
@@ -118,7 +118,7 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.argument("input_file", metavar="INPUT", type=EXISTING_FILE)
 @click.argument("output", type=click.Path(dir_okay=False, path_type=Path))
-@click.option("--variant", help="Variant to run [default: the first built one].")
+@click.option("--variant", help="Variant to run [default: the first built one this host runs].")
 @click.option("--errors", type=click.Path(dir_okay=False, path_type=Path),
               help="Where failed rows go, with their line and reason [default: OUTPUT.errors.jsonl].")
 @click.option("--resume/--no-resume", default=True, show_default=True,
@@ -189,7 +189,7 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
 
 @kiln.command()
 @click.argument("artifact", required=False, type=click.Path(path_type=Path))
-@click.option("--variant", help="Variant to plan [default: the first built one].")
+@click.option("--variant", help="Variant to plan [default: the first built one this host runs].")
 @click.option("--config", "config_file", type=EXISTING_FILE,
               help="Plan from a transformers config.json alone, no artifact: weights and KV cache from its shapes.")
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,

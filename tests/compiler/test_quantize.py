@@ -261,6 +261,7 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
     from compiler.pipeline import gate_failure
     from runtime import cpu_kernels
     from runtime.artifact import Artifact
+    from runtime.backend import runnable_variant
     from runtime.errors import ArtifactError, IncompatibleArtifact
     from runtime.interop import export_folder
 
@@ -308,7 +309,8 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
             Generator.load(folder, "int4-kernels")
         assert "runs only on Kiln's CPU kernels" in str(refused.value) and "KILN_CPU_KERNELS=0" in str(refused.value)
         assert "kl_divergence" in str(refused.value) and "\n" not in str(refused.value)
-        assert Artifact.open(folder).variant()["name"] == "cpu-fp32"  # the default: one this host runs
+        assert runnable_variant(Artifact.open(folder))["name"] == "cpu-fp32"  # the default: one this host runs
+        assert Generator.load(folder).backend.kernels is None
         off = {**os.environ, cpu_kernels.DISABLE_VARIABLE: "0"}
         for command in (["runtime.cli", f"{folder}", "--variant", "int4-kernels", "--prompt", "Hi"],
                         ["runtime.kiln_cli", "plan", f"{folder}", "--variant", "int4-kernels", "--memory", "4GiB"]):
