@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime import __version__ as kiln_version
-from runtime.artifact import MANIFEST, SCHEMA_VERSION, sha256_file
+from runtime.artifact import KERNELS_ONLY_SCHEMA_VERSION, MANIFEST, SCHEMA_VERSION, sha256_file
 from runtime.interop import portable_tokenizer_config, sidecar_files
 
 from .load import Checkpoint
@@ -159,7 +159,8 @@ def hash_files(folder: Path, log: StageLog) -> dict[str, dict[str, Any]]:
 
 def write_manifest(folder: Path, sections: dict[str, Any], log: StageLog) -> dict[str, Any]:
     manifest = {
-        "schema_version": SCHEMA_VERSION,
+        "schema_version": KERNELS_ONLY_SCHEMA_VERSION if any(
+            v.get("cpu_kernels") == "required" for v in sections["variants"].values()) else SCHEMA_VERSION,
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **sections,
         "tools": tool_versions(),

@@ -24,6 +24,11 @@ from .signing import SIGNATURE_FILE
 
 MANIFEST = "manifest.json"
 SCHEMA_VERSION = 1
+# An artifact with a variant for Kiln's CPU kernels alone (the recipe's cpu_kernels: required) is version 2:
+# a runtime that reads version 1 alone does not know the key and would run that variant's model.onnx, a graph
+# that may have missed its gates; it refuses the artifact instead. Every other artifact stays version 1.
+KERNELS_ONLY_SCHEMA_VERSION = 2
+READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, KERNELS_ONLY_SCHEMA_VERSION)
 _CHUNK = 1 << 20
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
 
@@ -67,9 +72,10 @@ class Artifact:
         except json.JSONDecodeError as exc:
             raise ArtifactError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
         version = manifest.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if version not in READABLE_SCHEMA_VERSIONS:
             raise IncompatibleArtifact(
-                f"{folder}: manifest schema version {version}, this runtime reads version {SCHEMA_VERSION}"
+                f"{folder}: manifest schema version {version}, this runtime reads versions "
+                f"{' and '.join(map(str, READABLE_SCHEMA_VERSIONS))}"
             )
         artifact = cls(folder, manifest)
         if verify:
@@ -90,7 +96,7 @@ class Artifact:
         _check_tree(self.folder, set(files))
         if rehash:
             self._check_hashes(_HashCache.load() if use_cache else _HashCache(None, {}))
-        notes = [f"schema {SCHEMA_VERSION}, {len(files)} files, sha256 and size of each"]
+        notes = [f"schema {self.manifest['schema_version']}, {len(files)} files, sha256 and size of each"]
         models = {e["model"] for e in self.manifest["variants"].values() if isinstance(e.get("model"), str)}
         onnx_files = sorted({name for name in files if name.endswith(".onnx")} | models)
         for name in onnx_files:

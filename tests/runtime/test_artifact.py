@@ -35,7 +35,7 @@ def test_newer_schema_is_incompatible(tiny_artifacts, tmp_path):
     manifest = json.loads((copy / "manifest.json").read_text())
     manifest["schema_version"] = 99
     (copy / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(IncompatibleArtifact, match="manifest schema version 99, this runtime reads version 1"):
+    with pytest.raises(IncompatibleArtifact, match="manifest schema version 99, this runtime reads versions 1 and 2"):
         Artifact.open(copy)
     result = _run_model(copy, "--prompt", "x")
     assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1
