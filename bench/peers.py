@@ -452,20 +452,27 @@ def noise_from_twins(backends: list, rows: list[dict]) -> list[dict]:
             for same in by_graph.values() if len(same) > 1]
 
 
-def show(path: Path) -> None:
-    """--show: a saved run printed as it was, its targets judged again (a run from before they were saved)."""
-    try:
-        report = json.loads(path.read_text())
-        report["rows"], report["floors"]["readings"]  # noqa: B018 - the fields print_report reads
-    except (OSError, ValueError, KeyError, TypeError) as error:
-        raise SystemExit(f"error: --show {path}: not a saved bench/peers.py run ({error}); "
-                         "pass the JSON a run wrote with --output") from None
-    for row in report["rows"]:  # JSON's keys are strings
+def read_report(path: Path) -> dict:
+    """A run's JSON as main() built it: its per-batch maps keyed by batch size again (JSON's keys are
+    strings)."""
+    report = json.loads(path.read_text())
+    for row in report["rows"]:
         for key in ("x_eager", "x_genai"):
             if row.get(key):
                 row[key] = {int(b): x for b, x in row[key].items()}
     for twin in report["twins"]:
         twin["spread"] = {int(b): x for b, x in twin["spread"].items()}
+    return report
+
+
+def show(path: Path) -> None:
+    """--show: a saved run printed as it was, its targets judged again (a run from before they were saved)."""
+    try:
+        report = read_report(path)
+        report["floors"]["readings"]  # noqa: B018 - the fields print_report reads
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as error:
+        raise SystemExit(f"error: --show {path}: not a saved bench/peers.py run ({error}); "
+                         "pass the JSON a run wrote with --output") from None
     report["targets"] = issue_targets(report)
     print_report(report)
 

@@ -107,8 +107,8 @@ def runnable_variant(artifact: Any, name: str | None = None, providers: list[str
     it does not (a variant for Kiln's CPU kernels alone, and they do not run here); without a name, the
     first built variant this host runs."""
     if name is None:
-        built = [n for n, e in artifact.manifest["variants"].items() if e.get("status") == "built"]
-        name = next((n for n in built if not kernels_required(artifact.manifest["variants"][n], providers)), None)
+        name = next((n for n, e in artifact.manifest["variants"].items()
+                     if e.get("status") == "built" and not kernels_required(e, providers)), None)
     entry = artifact.variant(name)
     refused = kernels_required(entry, providers)
     if refused:

@@ -44,15 +44,10 @@ def test_the_targets_are_judged_from_the_rows_the_host_runs():
     """issue_targets reads the saved run's rows: each target flips with the cell it names, and a row on
     MLAS, which the host does not run by default, is printed but not judged."""
     import copy
-    import json
 
-    from bench.peers import ALONE_PROMPTS, issue_targets
+    from bench.peers import ALONE_PROMPTS, issue_targets, read_report
 
-    saved = json.loads((ROOT / "bench" / "results" / "peers.json").read_text())
-    for row in saved["rows"]:
-        for key in ("x_eager", "x_genai"):
-            if row.get(key):
-                row[key] = {int(b): x for b, x in row[key].items()}
+    saved = read_report(ROOT / "bench" / "results" / "peers.json")
 
     def judged(change) -> dict[str, bool]:
         report = copy.deepcopy(saved)
