@@ -151,12 +151,16 @@ def test_a_sessions_weights_go_with_it(monkeypatch):
     mapped = session("kiln", codes, scales, None).run(None, {"A": x})[0]
     monkeypatch.delenv("KILN_KERNEL_WEIGHTS")
     resident = []
-    for _ in range(5):
+    for _ in range(6):
         kiln = session("kiln", codes, scales, None)
         assert np.array_equal(kiln.run(None, {"A": x})[0], mapped)
         del kiln
         resident.append(_resident_mib())
-    assert resident[-1] - resident[0] < 15, resident  # a leak would hold 19 MB more each time
+    # The first session may leave allocations that stay (ONNX Runtime's arenas, the allocator's own
+    # pools: 18 MiB once on an Intel Xeon, none on an AMD EPYC); a leak grows with every session after
+    # it. Four sessions past the first would hold 4 x 19 MB more; a one-time allocation holds nothing.
+    growth_after_first = resident[-1] - resident[1]
+    assert growth_after_first < 19, resident
 
 
 @needs_kernels
