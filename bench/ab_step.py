@@ -6,7 +6,7 @@
 
 For a compiler change measured against the build it replaces (compile both, then e.g.
 `new=out/a:cpu-int4 old=/tmp/before:cpu-int4`). The step: `--batch` rows, one new token each after
-`--past` cached tokens, through Kiln's own backend (runtime.backend: KV buffers bound once, logits
+`--past` cached tokens, through Kiln's own backend (runtime.backends.onnxruntime: KV buffers bound once, logits
 into an array of its own), the same step every time. NAME=FOLDER names an onnxruntime-genai model
 folder instead (one with genai_config.json, as bench/peers.py builds them): its graph driven as genai
 drives it, past and present bound to one buffer per layer, logits into an array, no copy out.
@@ -108,7 +108,7 @@ def load(spec: str, threads: int, verify: bool = False):
     """The backend for ARTIFACT:VARIANT, or a GenaiGraph for a genai model folder (an artifact's files
     checked once, by the parent process)."""
     from runtime.artifact import Artifact
-    from runtime.backend import open_backend
+    from runtime.backends.registry import open_backend
     from runtime.errors import KilnError
 
     if is_genai_folder(spec):
@@ -119,7 +119,7 @@ def load(spec: str, threads: int, verify: bool = False):
         artifact = Artifact.open(folder, verify=verify)
         entry = artifact.variant(variant)
         if graph:  # one graph file of the variant's, e.g. model.onnx where the host would run model_kernels.onnx
-            from runtime.backend import OnnxRuntimeBackend, kernel_interface
+            from runtime.backends.onnxruntime import OnnxRuntimeBackend, kernel_interface
             from runtime.cpu_kernels import library_for
 
             path = artifact.folder / Path(entry["model"]).parent / graph

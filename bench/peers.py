@@ -175,7 +175,7 @@ class Kiln:
                  mlas: bool = False, fma: bool = False) -> None:
         from runtime import cpu_kernels
         from runtime.artifact import Artifact
-        from runtime.backend import OnnxRuntimeBackend
+        from runtime.backends.onnxruntime import OnnxRuntimeBackend
         from runtime.generator import Generator
         from runtime.tokenizer import Tokenizer
 

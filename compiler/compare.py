@@ -23,9 +23,11 @@ import yaml
 from pydantic import ValidationError
 
 from runtime.artifact import Artifact
-from runtime.backend import open_backend, runnable_variant
+from runtime.backends.registry import runnable_variant
+from runtime.backends.registry import runs_on as backend_runs_on
 from runtime.errors import IncompatibleArtifact
 from runtime.files import read_utf8
+from runtime.model import Selection
 
 from .accuracy import (
     GATES,
@@ -96,17 +98,16 @@ def eager_side(checkpoint: Any, label: str, device: str = "auto", dtype: str = "
 
 
 def _artifact_side(text: str, threads: int | None, verify: bool) -> Side:
-    from runtime.tokenizer import Tokenizer
 
     folder, name = _split_variant(text)
     artifact = Artifact.open(folder, verify=verify)
-    entry = _variant_entry(artifact, name)
-    backend = open_backend(artifact.folder, entry, threads=threads, verified=verify)
-    tokenizer = Tokenizer(artifact.tokenizer_dir)
+    entry = _variant_entry(artifact, name)  # any variant with a graph, a failed one too: not select_variant
+    loaded = Selection(artifact, entry, verify).open(threads)
+    backend, tokenizer = loaded.backend, loaded.tokenizer
     model = artifact.manifest["model"]
     details = ", ".join(str(p) for p in (entry["target"], entry["precision"],
                                          (entry.get("quantize") or {}).get("mode"), entry["status"]) if p)
-    runs_on = "TensorRT engine" if "engine" in entry else "ONNX Runtime CPU"
+    runs_on = backend_runs_on(entry)
     return Side(text, f"{artifact.folder.name}:{entry['name']} ({details}), {runs_on}", backend,
                 tokenizer.encode, tokenizer.decode, tokenizer.vocab, min(model["eos_token_ids"], default=0),
                 model["max_context"], entry.get("gates", {}))

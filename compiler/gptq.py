@@ -31,7 +31,7 @@ DAMPING = 0.01  # of H's mean diagonal, added to its diagonal: H from a few thou
 def calibration_sequences(model_path: Path, interface: dict[str, Any], prompts: Sequence[list[int]],
                           pad_id: int) -> list[list[int]]:
     """Each prompt followed by the fp32 graph's greedy continuation."""
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     from .accuracy import greedy
 
@@ -60,7 +60,7 @@ def activations(proto: Any, names: set[str], interface: dict[str, Any], sequence
     import onnx
     import onnxruntime as ort
 
-    from runtime.backend import expand
+    from runtime.backends.base import expand
 
     if isinstance(proto, Path):
         graph = onnx.load(str(proto), load_external_data=False)

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from runtime.backends.registry import Target
 from runtime.files import link_or_copy
 
 from .errors import ExportMismatch
@@ -51,7 +52,7 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
     with small_constants_kept():
         optimizer.optimize(model)
     rules, unmatched = {}, {}
-    if target == "onnxruntime" and fuse:
+    if target == Target.ONNXRUNTIME and fuse:
         for rule in ONNXRUNTIME_RULES:
             rules[rule.name], why = rule.run(model, exported.shapes)
             if why:
@@ -68,7 +69,7 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
         "nodes_after": optimized.node_count,
         "ops_after": dict(sorted(_op_counts(model).items())),
     }
-    if target == "tensorrt":
+    if target == Target.TENSORRT:
         report["tensorrt_check"] = check_tensorrt_graph(model)
     del model  # the in-memory graph (its weights included) before the check's sessions load theirs
     forget_matched_graphs()  # the fusion rules' matchers hold it too
@@ -184,7 +185,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     import onnx
 
     from runtime import cpu_kernels
-    from runtime.backend import with_kv_dtype
+    from runtime.backends.base import with_kv_dtype
     from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, FP32_MATMUL_OP, KERNEL_DATA_FILE, SWIGLU_OP
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
@@ -535,7 +536,7 @@ def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int =
     """Greedy decode of the reference graph, replayed on the candidate; raise if logits part ways. One
     ONNX Runtime session at a time: a session holds the weights (and ONNX Runtime's pre-packed copy).
     `left_padded=False` checks Kiln's layout only, where the candidate reads the graph's rows from slot 0."""
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     steps = _greedy_steps(reference, seed)
     release_freed_memory()
@@ -570,7 +571,7 @@ def compare_graphs(reference: OnnxArtifact, candidate: OnnxArtifact, seed: int =
 def _greedy_steps(reference: OnnxArtifact, seed: int) -> list[tuple]:
     """(input_ids, attention_mask, position_ids, logits) of each step of the reference graph's greedy
     decode of a left-padded batch: prefill, then CHECK_STEPS decode steps."""
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(reference.model_path, reference.interface)
     rng = np.random.default_rng(seed)

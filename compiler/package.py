@@ -16,6 +16,7 @@ from typing import Any
 
 from runtime import __version__ as kiln_version
 from runtime.artifact import KERNELS_ONLY_SCHEMA_VERSION, MANIFEST, SCHEMA_VERSION, sha256_file
+from runtime.backends.registry import Target
 from runtime.interop import portable_tokenizer_config, sidecar_files
 
 from .load import Checkpoint
@@ -82,8 +83,8 @@ def write_sidecars(folder: Path, sections: dict[str, Any]) -> None:
     Optimum and onnxruntime-genai open the variant's folder as it is (runtime/interop.py); not beside a
     model.onnx that missed its gates (a variant for Kiln's CPU kernels alone)."""
     for name, entry in sections["variants"].items():
-        if entry["target"] != "onnxruntime" or entry.get("model_failed_gates"):  # no tool is to open that model.onnx
-            continue
+        if entry["target"] != Target.ONNXRUNTIME or entry.get("model_failed_gates"):
+            continue  # no other tool is to open that model.onnx
         files = sidecar_files(sections, name, folder / "tokenizer")
         for file, data in files.items():
             (folder / "variants" / name / file).write_bytes(data)

@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.backend import OnnxRuntimeBackend, open_backend
+from runtime.backends.onnxruntime import OnnxRuntimeBackend
+from runtime.backends.registry import Target, open_backend
 from runtime.cpu_kernels import KERNEL_DATA_FILE, KERNEL_MODEL_FILE
 from runtime.memory import free_host_memory, measure_in_subprocess
 
@@ -66,7 +67,7 @@ from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engi
 from .validate_export import CASES, EagerCase, eager_cases, validate_export
 
 # A compile's peak resident memory against the model's fp32 weights: an upper bound over
-# bench/compile_scale.py's random Llamas (README, "Compile time and memory"), which fit 0.4 GiB plus
+# bench/compile_scale.py's random Llamas (docs/compiling.md, "Compile time and memory"), which fit 0.4 GiB plus
 # 1.12x the weights (135M 0.97, 480M 2.31, 1.5B 6.83 GiB). The peak is ONNX Runtime's: the fp32
 # variant's accuracy step or its optimize check (a session with its pre-packed weights); the torch
 # stages, in their own process (on bf16 weights as stored below HOLD_NARROW_BELOW_BYTES), stay under it. A quantized
@@ -123,7 +124,7 @@ def predicted_compile_disk(weight_bytes: int, vocab: int, variants: Sequence[Var
     graphs = 2  # the export, saving
     for built, variant in enumerate(variants):
         held = 3 if variant.quantize and variant.quantize.exclude == "auto" else 2
-        graphs = max(graphs, 1 + built + held + (variant.target == "tensorrt"))
+        graphs = max(graphs, 1 + built + held + (variant.target == Target.TENSORRT))
     return int(COMPILE_DISK_BASE_BYTES + LOGIT_ROWS_ON_DISK * vocab * 4 + graphs * weight_bytes)
 
 
@@ -420,7 +421,7 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
             report["layerwise"] = residual_errors(optimized_graph, graph, calibration)
         _note_layerwise(report["layerwise"], log)
         _drop_superseded(optimized_graph, graph)
-    if variant.target == "onnxruntime" and variant.fuse:
+    if variant.target == Target.ONNXRUNTIME and variant.fuse:
         with log.step("pack_matmuls"):
             unpacked = graph
             graph, packed = pack(graph, work / "packed")
@@ -444,11 +445,11 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
                      f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
     activations = variant.quantize.kernel_activations if variant.quantize else "int8"
     kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache, activations) \
-        if variant.target == "onnxruntime" else (None, "not an onnxruntime variant")
+        if variant.target == Target.ONNXRUNTIME else (None, "not an onnxruntime variant")
     if kernels is not None and variant.kv_cache == "float16" and kernels.interface["inputs"][3]["dtype"] != "float16":
         log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's kernel's, "
                  "or another node reads the cache); the kernels' graph keeps an fp32 cache")
-    if variant.target == "tensorrt":  # validated below exactly as the engine will be driven
+    if variant.target == Target.TENSORRT:  # validated below exactly as the engine will be driven
         graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
 
     def against_eager(backend: Any, stem: str, runs_on: str) -> dict[str, Any]:
@@ -521,7 +522,7 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
         summary["cpu_kernels"] = "required"
         if model_failures:
             summary["model_failed_gates"] = model_failures
-    if variant.target == "onnxruntime":  # engines hold their memory on the GPU: not measured here
+    if variant.target == Target.ONNXRUNTIME:  # engines hold their memory on the GPU: not measured here
         with log.spinner("measuring memory in a fresh process"):
             # Of the graph a CPU host runs: the kernels' where it has them (their packed weights added).
             served, interface = (KERNEL_MODEL_FILE, kernels.interface) if kernel_summary else \
@@ -534,7 +535,7 @@ def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data
                  f"{memory['activation_bytes_per_pair']:.0f} B a token x slot")
     if failures:
         return {**entry, **summary, "status": "failed", "failed_gates": failures}
-    if variant.target == "tensorrt":
+    if variant.target == Target.TENSORRT:
         return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
     return {**entry, **summary, "status": "built"}
 
@@ -612,7 +613,7 @@ def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, r
     def attempt(kept: Sequence[dict[str, Any]]) -> bool:
         candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])
         built, _ = quantize(graph, candidate, calibration, work / "search" / "quantized")
-        if variant.target == "onnxruntime" and variant.fuse:
+        if variant.target == Target.ONNXRUNTIME and variant.fuse:
             built, _ = pack(built, work / "search" / "packed")
         backend = OnnxRuntimeBackend(built.model_path, built.interface)
         metrics = measure(backend, data.inputs, reference, into=work / "search" / "logits")["summary"]

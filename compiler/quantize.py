@@ -46,14 +46,17 @@ import shutil
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
+
+from runtime.backends.registry import Target
 
 from .errors import ExportError
 from .export import MODEL_FILE, OnnxArtifact, save_proto, saved_graph
 from .recipe import Variant
 from .smoothing import smooth
+from .weights import lm_head, logits_writer, weight_matmuls
 
 # Kept in fp32 by the fp16 conversion: reductions and exponentials whose range or rounding fp16
 # cannot hold (RMSNorm's mean of squares overflows fp16 at |x| > 256; softmax needs fp32 sums), and
@@ -201,7 +204,7 @@ def _qdq_static(proto: Any, source: OnnxArtifact, variant: Variant, calibration:
     from onnxruntime.quantization import CalibrationMethod, QuantFormat, QuantType, quantize_static
 
     spec = variant.quantize
-    for_onnxruntime = variant.target == "onnxruntime"  # else TensorRT, which takes the int8 form as it is
+    for_onnxruntime = variant.target == Target.ONNXRUNTIME  # else TensorRT, which takes the int8 form as it is
     work = folder / ".calibration"
     work.mkdir(parents=True, exist_ok=True)
     prepared = work / "prepared.onnx"
@@ -454,43 +457,6 @@ def _blocks_nbits(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray
     return np.clip(np.rint(blocks / step[..., None] + zero[..., None]), 0, top), step, zero
 
 
-def _logits_writer(graph: Any) -> Any:
-    return next((n for n in graph.node if "logits" in n.output), None)
-
-
-def lm_head(proto: Any) -> str | None:
-    """The weight MatMul that writes the `logits` output (the LM head), or None if another op does or
-    it reads its weight through a Transpose (a tied head before untie_transposed_weights)."""
-    head = lm_head_weight(proto)
-    return head.node if head is not None and not head.transposed else None
-
-
-class LmHead(NamedTuple):
-    node: str
-    path: str  # its module path, as weight_matmuls gives them
-    activation: str
-    weight: str  # the initializer: [hidden, vocab], or [vocab, hidden] where transposed
-    transposed: bool
-
-
-def lm_head_weight(proto: Any) -> LmHead | None:
-    """The LM head of a graph: the MatMul that writes `logits`, its weight an initializer or, for a head
-    tied to the embedding table, a Transpose of one. None if another op writes the logits."""
-    node = _logits_writer(proto.graph)
-    if node is None or node.op_type != "MatMul":
-        return None
-    weights = {i.name for i in proto.graph.initializer}
-    producer = next((n for n in proto.graph.node if node.input[1] in n.output), None)
-    if node.input[1] in weights:
-        weight, transposed = node.input[1], False
-    elif producer is not None and producer.op_type == "Transpose" and producer.input[0] in weights:
-        weight, transposed = producer.input[0], True
-    else:
-        return None
-    scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
-    return LmHead(node.name, _module_path(scopes) if scopes else "lm_head", node.input[0], weight, transposed)
-
-
 @dataclass(frozen=True)
 class ExactRows:
     """What _rescore_top_logits reads: the LM head's activation, and its fp32 weight as rows [vocab,
@@ -556,7 +522,7 @@ def _rescore_top_logits(model: Any, rows: ExactRows, top: int) -> None:
     graph = model.graph
     if rows.tensor is not None:
         graph.initializer.append(rows.tensor)
-    _logits_writer(graph).output[0] = "logits_quantized"
+    logits_writer(graph).output[0] = "logits_quantized"
     graph.initializer.extend([numpy_helper.from_array(np.array([min(top, rows.vocab)], np.int64), "exact_top_k"),
                               numpy_helper.from_array(np.array([-1], np.int64), "exact_top_axis")])
     graph.node.extend([
@@ -582,26 +548,6 @@ QUANTIZERS: dict[tuple[str, str | None], Callable[..., Made]] = {
 
 
 # -- helpers ---------------------------------------------------------------------------------------
-
-def weight_matmuls(proto: Any) -> dict[str, str]:
-    """{node name: module path} for every MatMul whose weight is an initializer. The path comes from
-    the exporter's name scopes (`model.model.layers.0.mlp.down_proj` -> `model.layers.0.mlp.down_proj`)."""
-    weights = {i.name for i in proto.graph.initializer}
-    found = {}
-    for node in proto.graph.node:
-        if node.op_type == "MatMul" and len(node.input) == 2 and node.input[1] in weights:
-            scopes = next((p.value for p in node.metadata_props if p.key == "pkg.torch.onnx.name_scopes"), None)
-            path = _module_path(scopes) if scopes else node.name
-            found[node.name] = path
-    return found
-
-
-def _module_path(scopes: str) -> str:
-    parts = [p.strip(" '\"") for p in scopes.strip("[]").split(",")]
-    modules = [p for p in parts if p][:-1]  # the last entry is the op itself
-    path = modules[-1] if modules else ""
-    return path.removeprefix("model.")
-
 
 def untie_transposed_weights(proto: Any, base_dir: str = "") -> None:
     """MatMul(x, Transpose(W)) with W an initializer -> MatMul(x, W^T) with W^T stored.
@@ -640,7 +586,7 @@ class _CalibrationFeed:
     """
 
     def __init__(self, source: OnnxArtifact, prompts: Sequence[list[int]]) -> None:
-        from runtime.backend import expand
+        from runtime.backends.base import expand
 
         stream = [t for p in prompts for t in p]
         prompts = [stream[i:i + CALIBRATION_CHUNK] for i in range(0, len(stream) - CALIBRATION_CHUNK + 1,
@@ -666,7 +612,7 @@ class _CalibrationFeed:
 
 def check_finite(artifact: OnnxArtifact, prompts: Sequence[list[int]], name: str) -> None:
     """Overflow shows as inf or NaN in logits or KV: find it on the calibration prompts, not later."""
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(artifact.model_path, artifact.interface)
     for number, ids in enumerate(prompts):

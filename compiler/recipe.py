@@ -14,6 +14,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from runtime.backends.registry import Target
 from runtime.files import read_utf8
 
 from .errors import RecipeError
@@ -227,14 +228,15 @@ class Variant(_Strict):
 
     @model_validator(mode="after")
     def _fits_target(self) -> Variant:
-        if self.profiles is not None and self.target != "tensorrt":
+        if self.profiles is not None and self.target != Target.TENSORRT:
             raise ValueError("profiles: only tensorrt variants take optimization profiles")
-        if self.engine is not None and self.target != "tensorrt":
+        if self.engine is not None and self.target != Target.TENSORRT:
             raise ValueError("engine: only tensorrt variants build engines")
-        if self.kv_cache != "float32" and (self.target != "onnxruntime" or not self.fuse or self.precision != "fp32"):
+        onnxruntime_fp32_fused = self.target == Target.ONNXRUNTIME and self.fuse and self.precision == "fp32"
+        if self.kv_cache != "float32" and not onnxruntime_fp32_fused:
             raise ValueError("kv_cache: float16 is for fp32 onnxruntime variants with fuse on, quantized or not (the "
                              "cache of Kiln's CPU kernels' attention); leave it out here")
-        if self.cpu_kernels == "required" and self.target != "onnxruntime":
+        if self.cpu_kernels == "required" and self.target != Target.ONNXRUNTIME:
             raise ValueError("cpu_kernels: required is for onnxruntime variants (Kiln's CPU kernels run their graphs); "
                              "leave it out here")
         if self.cpu_kernels == "required" and self.quantize is not None and self.quantize.exclude == "auto":

@@ -98,7 +98,7 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
     """One record per module group (weight_groups), most sensitive first: {group, modules, weight_elements,
     kl_divergence (mean), kl_divergence_max, top1_agreement} of the variant with only that group
     quantized, against `source`."""
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     from .quantize import quantize
 
@@ -194,7 +194,7 @@ def residual_stream(proto: Any) -> list[tuple[str, tuple[str, ...]]]:
     tensors it adds, to be summed), named after the block whose output it adds (`model.layers.3.mlp`:
     the module group of the nearest weight MatMul above that input). Empty for a graph without skip
     norms (fuse: false)."""
-    from .quantize import weight_matmuls
+    from .weights import weight_matmuls
 
     groups = {node: path.rsplit(".", 1)[0] for node, path in weight_matmuls(proto).items()}
     producer = {out: node for node in proto.graph.node for out in node.output}
@@ -235,7 +235,7 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
     from onnx import numpy_helper
 
     from .gptq import activations
-    from .quantize import lm_head_weight
+    from .weights import lm_head_weight
 
     proto = onnx.load(str(source.model_path), load_external_data=False)
     points = residual_stream(proto)

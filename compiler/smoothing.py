@@ -97,7 +97,7 @@ def _sites(proto: Any) -> tuple[dict[str, Any], dict[str, Any], dict[str, Any], 
     """Where a division folds for free, each keyed by the activation it smooths: norms, MLPs and
     attentions as `smooth` reads them, and each tensor's readers. Reads names and attributes only: a
     graph loaded without its weights will do."""
-    from .quantize import lm_head, weight_matmuls
+    from .weights import lm_head, weight_matmuls
 
     graph = proto.graph
     matmuls = set(weight_matmuls(proto))

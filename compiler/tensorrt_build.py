@@ -9,7 +9,7 @@ Precision comes from the graph itself (a strongly typed network keeps every tens
 no FP16/INT8 builder flags and no calibrator: TensorRT 11 removes both, and the graph already holds
 the fp32 islands and the Q/DQ scales the quantize stage chose and the accuracy gates checked.
 
-Zero-length past: the engine's KV inputs always hold one leading masked slot (see runtime/backend.py),
+Zero-length past: the engine's KV inputs always hold one leading masked slot (see runtime/backends/onnxruntime.py),
 so past is 1 at prefill and never 0 in any profile; TensorRT's handling of 0-sized profile dimensions
 is where builds and runs go wrong.
 
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.backend import expand
+from runtime.backends.base import expand
 from runtime.errors import KilnError
 
 from .recipe import EngineSpec, Profiles

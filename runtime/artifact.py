@@ -121,7 +121,7 @@ class Artifact:
         cache.save()
 
     def variant(self, name: str | None = None) -> dict[str, Any]:
-        """A built variant's manifest entry; without a name, the first one built (runtime/backend.py
+        """A built variant's manifest entry; without a name, the first one built (runtime/backends/registry.py
         runnable_variant: the first this host runs). A variant that missed its accuracy gates (kept by
         compile-model --keep-failed) loads only when named."""
         variants = self.manifest["variants"]

@@ -230,19 +230,13 @@ class Answerer:
 
     @classmethod
     def load(cls, config: BatchConfig, fmt: str) -> Answerer:
-        from .artifact import Artifact
-        from .backend import open_backend, runnable_variant
         from .generator import Generator
-        from .memory import require_fit
-        from .tokenizer import Tokenizer
+        from .model import open_model
 
-        artifact = Artifact.open(config.artifact, verify=config.verify)
-        entry = runnable_variant(artifact, config.variant)
-        require_fit(artifact.manifest, entry, config.max_batch_size, prefill_tokens=config.max_prefill_tokens)
-        backend = open_backend(artifact.folder, entry, None, config.threads, verified=config.verify)
-        generator = Generator(artifact, backend, Tokenizer(artifact.tokenizer_dir), config.max_batch_size,
-                              config.max_prefill_tokens)
-        return cls(generator, fmt, fingerprint(entry), config.model_name, config.defaults, config.chunk_rows)
+        model = open_model(config.artifact, config.variant, threads=config.threads, verify=config.verify,
+                           max_batch_size=config.max_batch_size, max_prefill_tokens=config.max_prefill_tokens)
+        generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens)
+        return cls(generator, fmt, fingerprint(model.entry), config.model_name, config.defaults, config.chunk_rows)
 
     def answer(self, rows: Iterable[tuple[int | None, str | dict[str, Any]]]) -> Iterator[Answer]:
         """Answers in the order rows finish. A chunk is read when the engine's queue runs low, so the
@@ -540,12 +534,10 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
     answerer = None if config.ray else _load_answerer(config, scan.format)
     if config.ray:
         _import_ray()
-        from .artifact import Artifact
-        from .backend import runnable_variant
+        from .model import select_variant
 
         # one variant for every worker, named here: each worker's own default could differ with its host
-        config = replace(config, variant=runnable_variant(Artifact.open(config.artifact, verify=False),
-                                                          config.variant)["name"])
+        config = replace(config, variant=select_variant(config.artifact, config.variant, verify=False).name)
         undecodable = next((line for line, error in scan.unreadable if error.code == "invalid_encoding"), None)
         if undecodable is not None:  # Ray Data's read_text fails on the whole file for one such line
             raise KilnError(f"INPUT line {undecodable} is not UTF-8, and Ray Data cannot read such a file; fix "

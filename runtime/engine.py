@@ -57,7 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from .backend import Limits
+from .backends.base import Backend
 from .beam import BeamSearch
 from .sampling import SamplingParams, next_token, token_logprobs
 from .tokenizer import IncrementalDecoder, Tokenizer
@@ -191,11 +191,11 @@ def right_aligned_mask(width: int, lengths: np.ndarray) -> np.ndarray:
 
 
 class Engine:
-    def __init__(self, backend: Any, tokenizer: Tokenizer, eos_ids: set[int], max_context: int,
+    def __init__(self, backend: Backend, tokenizer: Tokenizer, eos_ids: set[int], max_context: int,
                  max_batch_size: int = 32, max_prefill_tokens: int = 512, pad_id: int | None = None,
                  prefill_first: bool = False) -> None:
         self.backend, self.tokenizer = backend, tokenizer
-        limits = getattr(backend, "limits", Limits())
+        limits = backend.limits
         self.max_batch_size = min(max_batch_size, limits.max_batch_size or max_batch_size)
         self.max_context = min(max_context, limits.max_context or max_context)
         self.max_prompt = min(limits.max_prompt or self.max_context - 1, self.max_context - 1)

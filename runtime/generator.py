@@ -14,9 +14,8 @@ from pathlib import Path
 from typing import Any
 
 from .artifact import Artifact
-from .backend import open_backend, runnable_variant
 from .engine import DEFAULT_PARAMS, Engine, Event, Prompt, RequestError, Result, left_padded
-from .memory import require_fit
+from .model import Model, open_model
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -37,11 +36,14 @@ class Generator:
     def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[str] | None = None,
              threads: int | None = None, max_batch_size: int = 32, verify: bool = True,
              max_prefill_tokens: int = 512) -> Generator:
-        artifact = Artifact.open(artifact_dir, verify=verify)
-        entry = runnable_variant(artifact, variant, providers)
-        require_fit(artifact.manifest, entry, max_batch_size, providers, max_prefill_tokens)
-        backend = open_backend(artifact.folder, entry, providers, threads, verified=verify)
-        return cls(artifact, backend, Tokenizer(artifact.tokenizer_dir), max_batch_size, max_prefill_tokens)
+        model = open_model(artifact_dir, variant, providers, threads, verify, max_batch_size, max_prefill_tokens)
+        return cls.of(model, max_batch_size, max_prefill_tokens)
+
+    @classmethod
+    def of(cls, model: Model, max_batch_size: int = 32, max_prefill_tokens: int = 512,
+           prefill_first: bool = True) -> Generator:
+        """A generator over a model opened by runtime/model.py."""
+        return cls(model.artifact, model.backend, model.tokenizer, max_batch_size, max_prefill_tokens, prefill_first)
 
     @property
     def max_context(self) -> int:

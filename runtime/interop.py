@@ -14,7 +14,8 @@ import shutil
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .backend import expand, kv_order
+from .backends.base import expand, kv_order
+from .backends.registry import opens_in_other_tools
 from .errors import ArtifactError
 from .files import link_or_copy
 
@@ -75,7 +76,7 @@ def sidecar_files(manifest: dict[str, Any], variant: str, tokenizer: Path, kinds
                   ) -> dict[str, bytes]:
     """File name -> bytes for one onnxruntime variant's folder, for the tools named in `kinds`."""
     entry = manifest["variants"][variant]
-    if entry.get("target") != "onnxruntime" or "engine" in entry:
+    if not opens_in_other_tools(entry):
         raise ArtifactError(f"variant {variant!r} is a {entry.get('target')} variant; only onnxruntime variants "
                             "open in Optimum and onnxruntime-genai")
     if "config" not in manifest["model"]:

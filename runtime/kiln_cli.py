@@ -216,12 +216,12 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
             raise KilnError("give an ARTIFACT folder or --config config.json (one of them)")
         if memory_text and device:
             raise KilnError("give --memory or --device, not both")
-        title, interface, measured, weights, max_context, target = _plan_source(artifact, variant, config_file,
+        title, interface, measured, weights, max_context, on_gpu = _plan_source(artifact, variant, config_file,
                                                                                 dtype, device)
         weights_source = "computed from the config's shapes" if config_file else "not measured: the files' size"
         if memory_text:
             budget, source = planner.parse_size(memory_text), "--memory"
-        elif device or target == "tensorrt":  # an engine's memory is the GPU's
+        elif device or on_gpu:
             device = device or "cuda:0"
             budget, source = planner.free_gpu_memory(device), f"free on {device}"
         else:
@@ -237,12 +237,12 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
 
 def _plan_source(artifact: Path | None, variant: str | None, config_file: Path | None, dtype: str,
                  device: str | None = None) -> tuple:
-    """(title, interface, measured memory or None, weights bytes, max context, target) of an artifact's
+    """(title, interface, measured memory or None, weights bytes, max context, whether its memory is a GPU's
+    (an engine's)) of an artifact's
     variant or of a bare config.json; the interface of the graph this host runs it with (on `device`, a
     GPU: the variant's own, whose KV cache may be wider than the CPU kernels' graph's)."""
     import json
 
-    from .artifact import Artifact
     from .files import read_utf8
     from .memory import config_interface, variant_file_bytes
 
@@ -257,18 +257,20 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
         max_context = int(config.get("max_position_embeddings") or config.get("n_positions") or 2048)
         return (f"kiln plan: {config_file} ({dtype}, from its shapes alone)", interface, None, weights, max_context,
                 None)
-    from .backend import runnable_variant, served_interface
+    from .backends.registry import memory_on_host, served_interface
+    from .model import select_variant
 
-    opened = Artifact.open(artifact, verify=False)  # the plan reads the manifest only
-    # a plan of a graph this host (or, with --device, a GPU) never runs is refused
-    entry = runnable_variant(opened, variant, ["CUDAExecutionProvider"] if device else None)
+    # the plan reads the manifest only; a plan of a graph this host (or, with --device, a GPU) never runs
+    # is refused
+    selection = select_variant(artifact, variant, ["CUDAExecutionProvider"] if device else None, verify=False)
+    opened, entry = selection.artifact, selection.entry
     weights = variant_file_bytes(opened.manifest, entry)
     kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
                                          (entry.get("quantize") or {}).get("mode")) if k)
     title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
 
     return (title, entry["interface"] if device else served_interface(entry), entry.get("memory"), weights,
-            opened.manifest["model"]["max_context"], entry.get("target"))
+            opened.manifest["model"]["max_context"], not memory_on_host(entry))
 
 
 def _artifact_variant(spec: str) -> tuple[Path, str | None]:
@@ -316,7 +318,8 @@ def inspect(spec: str, polygraphy_sizes: str | None, trtexec_sizes: str | None, 
 
 
 def _describe_variant(artifact, entry: dict) -> str:
-    from .backend import expand
+    from .backends.base import expand
+    from .backends.registry import opens_in_other_tools
 
     interface, name = entry["interface"], entry["name"]
     quantize = (entry.get("quantize") or {}).get("mode")
@@ -370,7 +373,7 @@ def _describe_variant(artifact, entry: dict) -> str:
             lines.append(f"  not in     {problem}")
     elif entry.get("model_failed_gates"):
         lines.append("  opens in   Kiln alone: its model.onnx, which other tools would run, missed its gates")
-    elif entry.get("target") == "onnxruntime":
+    elif opens_in_other_tools(entry):
         lines.append("  opens in   kiln export-for optimum|genai writes a folder the tool opens")
     return "\n".join(lines)
 

@@ -135,7 +135,7 @@ def variant_plan(manifest: dict[str, Any], entry: dict[str, Any], batch: int, co
                  prefill_tokens: int = 512, providers: list[str] | None = None) -> Plan:
     """plan() for a variant of an artifact: its measured memory, or its files' size where it has none; its
     KV cache as the graph this host runs holds it (Kiln's CPU kernels' may be fp16)."""
-    from .backend import served_interface
+    from .backends.registry import served_interface
 
     return plan(served_interface(entry, providers), entry.get("memory"), batch,
                 context or manifest["model"]["max_context"], prefill_tokens, variant_file_bytes(manifest, entry))
@@ -152,9 +152,10 @@ def require_fit(manifest: dict[str, Any], entry: dict[str, Any], max_batch_size:
     """Before loading: refuse a max_batch_size x max context that this host's free memory cannot hold
     (IncompatibleArtifact with the planner's line), instead of dying in an allocation later. None for
     variants whose memory is a GPU's (engines, CUDA providers): those are not planned here."""
-    if "engine" in entry or (providers and providers[0] != "CPUExecutionProvider"):
+    from .backends.registry import memory_on_host, served_interface
+
+    if not memory_on_host(entry, providers):
         return None
-    from .backend import served_interface
 
     planned = variant_plan(manifest, entry, max_batch_size, prefill_tokens=prefill_tokens, providers=providers)
     budget = free_host_memory() + planned.baseline_bytes  # this process already holds its baseline
@@ -319,7 +320,7 @@ def measure(model_path: Path, interface: dict[str, Any], max_context: int, threa
     import onnxruntime  # noqa: F401 - the libraries every runtime process loads are the baseline
     import tokenizers  # noqa: F401
 
-    from .backend import OnnxRuntimeBackend
+    from .backends.onnxruntime import OnnxRuntimeBackend
     from .cpu_kernels import library_for
 
     kernels = library_for(model_path)  # loaded before the baseline

@@ -25,7 +25,7 @@ import traceback
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -50,6 +50,9 @@ from .openai_api import (
     validation_error,
 )
 from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .model import Selection
 
 # Bucket bounds in seconds, as vLLM's for the same histograms (dashboards built for it read these).
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -255,8 +258,10 @@ class Submission:
 class Service:
     """The model behind the routes: loaded on a thread at startup, so /health can answer meanwhile."""
 
-    def __init__(self, config: ServeConfig, artifact: Any, entry: dict[str, Any]) -> None:
-        self.config, self.artifact, self.entry = config, artifact, entry
+    def __init__(self, config: ServeConfig, selection: Selection) -> None:
+        self.config, self.selection = config, selection
+        artifact, self.entry = selection.artifact, selection.entry
+        self.artifact = artifact
         self.model = config.model_name or artifact.manifest["name"]
         self.metrics = Metrics(self.model)
         self.loop: EngineLoop | None = None
@@ -269,15 +274,12 @@ class Service:
 
     def load(self) -> None:
         """Open the backend, warm it up (a prefill and a decode step), then start the engine's thread."""
-        from .backend import open_backend
         from .generator import Generator
-        from .tokenizer import Tokenizer
 
         config = self.config
-        backend = open_backend(self.artifact.folder, self.entry, None, config.threads, verified=config.verify)
+        model = self.selection.open(config.threads)
         # the prefill budget between decode steps holds: running requests keep streaming under a burst
-        generator = Generator(self.artifact, backend, Tokenizer(self.artifact.tokenizer_dir), config.max_batch_size,
-                              config.max_prefill_tokens, prefill_first=False)
+        generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens, prefill_first=False)
         generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
         self.engine = generator.engine
@@ -538,14 +540,13 @@ def serve(config: ServeConfig) -> int:
 
     import uvicorn
 
-    from .artifact import Artifact
-    from .backend import runnable_variant
+    from .model import select_variant
 
-    artifact = Artifact.open(config.artifact, verify=config.verify)
-    entry = runnable_variant(artifact, config.variant)
+    selection = select_variant(config.artifact, config.variant, verify=config.verify)
     if config.max_tokens_in_flight is None:
-        config = dataclasses.replace(config, max_tokens_in_flight=admission_budget(artifact.manifest, entry, config))
-    service = Service(config, artifact, entry)
+        budget = admission_budget(selection.artifact.manifest, selection.entry, config)
+        config = dataclasses.replace(config, max_tokens_in_flight=budget)
+    service = Service(config, selection)
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -560,11 +561,11 @@ def serve(config: ServeConfig) -> int:
     server = _draining_server(uvicorn.Config(create_app(service), log_level="warning", lifespan="on",
                                              timeout_graceful_shutdown=config.drain_timeout), service)
     host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
-    _say(f"http://{host}:{port}/v1  model {service.model}  variant {entry['name']}  "
+    _say(f"http://{host}:{port}/v1  model {service.model}  variant {selection.name}  "
          f"max batch {config.max_batch_size}  max queue {config.max_queue}  "
          f"prefill budget {config.max_prefill_tokens} tokens/step  "
          + (f"KV slots in flight {config.max_tokens_in_flight:,}  " if config.max_tokens_in_flight else "")
-         + f"max context {artifact.manifest['model']['max_context']}  "
+         + f"max context {selection.artifact.manifest['model']['max_context']}  "
          f"threads {config.threads or 'all cores'}  api key {'required' if config.api_key else 'not required'}")
     loader = threading.Thread(target=_load, args=(service, server), name="kiln-load", daemon=True)
     loader.start()
@@ -587,7 +588,7 @@ def _load(service: Service, server: Any) -> None:
         server.should_exit = True
         return
     engine = service.engine
-    # Worth a word: batch-1 steps are slower for it (runtime/backend.py, lone rows).
+    # Worth a word: batch-1 steps are slower for it (runtime/backends/onnxruntime.py, lone rows).
     lone = (", a lone sequence decodes beside a spare row: this CPU's kernels compute one row unlike several"
             if getattr(engine.backend, "min_rows", 1) > 1 else "")
     _say(f"ready in {time.perf_counter() - started:.1f} s (max context {engine.max_context}, "

@@ -28,11 +28,12 @@ import tarfile
 import tempfile
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .artifact import MANIFEST, Artifact, manifest_problem, safe_relative, version_tuple
+from .artifact import MANIFEST, Artifact, manifest_problem, safe_relative
+from .backends.base import HostFit
+from .backends.registry import host_fit as variant_fit
 from .errors import ArtifactError, IncompatibleArtifact, KilnError
 from .signing import SIGNATURE_FILE, SignatureError, sign, verify_signature
 
@@ -41,11 +42,6 @@ MAX_MANIFEST_BYTES = 64 << 20
 # size is refused before anything is written (a zip bomb within the per-file size checks).
 MAX_EXPANSION = 8
 EXPANSION_ALLOWANCE = 64 << 20
-# onnxruntime release that first runs each ONNX opset (its release notes). Graphs with contrib ops
-# (fused GroupQueryAttention, RMSNorm, rotary; MatMulNBits) need the oldest release they were run on:
-# onnxruntime-gpu 1.31.1, the gpu extra, ran the fused fp32, int8 and int4 graphs of 1.32 builds.
-MIN_ONNXRUNTIME_FOR_OPSET = {17: (1, 13), 18: (1, 14), 19: (1, 16), 20: (1, 17), 21: (1, 18)}
-MIN_ONNXRUNTIME_FOR_CONTRIB_OPS = (1, 31)
 _CHUNK = 1 << 20
 
 
@@ -227,19 +223,13 @@ def _check_signature(folder: Path, public_key: Path | None, require: bool) -> st
     return f"signature verified with {public_key.name}"
 
 
-@dataclass
-class Fit:
-    variant: str
-    target: str
-    needs: str
-    here: str
-    fits: bool
-    reason: str = ""
+# What `kiln verify` and `kiln install` print for each variant: the registry's answer of its backend kind.
+Fit = HostFit
 
 
 def host_fit(manifest: dict[str, Any]) -> list[Fit]:
     """For every variant: what it needs from this host, what the host has, and whether it runs here."""
-    return [_fit(name, entry, manifest) for name, entry in manifest["variants"].items()]
+    return [variant_fit(name, entry, manifest) for name, entry in manifest["variants"].items()]
 
 
 def require_fit(fits: list[Fit], variant: str | None) -> None:
@@ -251,49 +241,6 @@ def require_fit(fits: list[Fit], variant: str | None) -> None:
     if not any(f.fits for f in wanted):
         reasons = "; ".join(f"{f.variant}: {f.reason}" for f in wanted)
         raise IncompatibleArtifact(f"no variant of the artifact runs on this host ({reasons})")
-
-
-def _fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> Fit:
-    target = entry.get("target", "?")
-    if entry.get("status") != "built":
-        why = entry.get("reason") or ", ".join(entry.get("failed_gates", [])) or entry.get("status", "?")
-        return Fit(name, target, "-", "-", False, f"{entry.get('status')}: {why}")
-    if "engine" in entry:
-        return _engine_fit(name, entry["engine"])
-    opset = manifest.get("recipe", {}).get("export", {}).get("opset", 18)
-    needed = MIN_ONNXRUNTIME_FOR_OPSET.get(opset, (1, 18))
-    contrib = any(entry.get("fusions", {}).values()) or (entry.get("quantize") or {}).get("mode") in (
-        "int8-dynamic", "int4")
-    if contrib:
-        needed = max(needed, MIN_ONNXRUNTIME_FOR_CONTRIB_OPS)
-    needs = f"onnxruntime >= {'.'.join(map(str, needed))}" + (" (contrib ops)" if contrib else f" (opset {opset})")
-    try:
-        import onnxruntime
-    except ImportError:
-        return Fit(name, target, needs, "onnxruntime not installed", False, "install kiln[cpu] or kiln[gpu]")
-    here = version_tuple(onnxruntime.__version__)
-    providers = ", ".join(p.removesuffix("ExecutionProvider") for p in onnxruntime.get_available_providers())
-    fits = here[:2] >= needed
-    return Fit(name, target, needs, f"onnxruntime {onnxruntime.__version__} ({providers})", fits,
-               "" if fits else "upgrade onnxruntime")
-
-
-def _engine_fit(name: str, engine: dict[str, Any]) -> Fit:
-    from .tensorrt_backend import check_host, host_gpu
-
-    needs = (f"TensorRT {engine['tensorrt_version']}{'+' if engine.get('version_compatible') else ''}, "
-             f"compute capability {engine['compute_capability']}"
-             + (" or newer (ampere_plus)" if engine.get("hardware_compatibility") == "ampere_plus" else ""))
-    try:
-        import tensorrt
-    except ImportError:
-        return Fit(name, "tensorrt", needs, "TensorRT not installed", False, "install kiln[tensorrt]")
-    try:
-        gpu, capability = host_gpu()
-        check_host(engine, tensorrt.__version__, capability, gpu)
-    except (IncompatibleArtifact, ImportError) as exc:
-        return Fit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}", False, str(exc))
-    return Fit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}, {gpu} ({capability})", True)
 
 
 def verify(path: Path, public_key: Path | None = None, require_signature: bool = False) -> tuple[list[str], list[Fit]]:

@@ -27,17 +27,6 @@ for a chunk after earlier ones or a batch mostly of pads, each row runs alone. M
 32 prompts of 36 to 49 tokens generating 32 tokens each, one step against row by row: int8 1.27x
 faster (time to first token 1.54x), fp32 1.14x (1.21x), the same tokens.
 
-Besides run, the protocol every backend follows (ONNX Runtime here, TensorRT in tensorrt_backend.py):
-    new_cache(batch, capacity)                     an empty cache
-    keep_rows(cache, rows, front=0, capacity=None) a new cache of some rows, in any order, repeated
-                                                   (forks) or empty (-1); slots added or dropped in front;
-                                                   `cache` is used up (its memory goes as it is copied)
-    write_rows(cache, rows, source, source_rows)   rows of another cache copied in, right-aligned
-    view_rows(cache, first, count)                 rows side by side as a cache in the same memory, for a
-                                                   first prompt to run into (where limits.rows_in_place)
-    limits                                         what the backend takes beyond the manifest's bounds
-Every cache knows `length`, the slots in use: the attention mask's width at its last step.
-
 Lone rows: some kernels compute a row alone (one token of one sequence: a batch-1 decode step) other
 than the same row beside others. ONNX Runtime's 4-bit MatMulNBits does on CPUs with AVX2 but no
 AVX-512 (measured on an AMD EPYC: up to 1.4e-6 apart, while 2 and 8 rows agree), so a sequence's
@@ -60,60 +49,67 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .errors import IncompatibleArtifact
+from ..artifact import version_tuple
+from ..errors import IncompatibleArtifact
+from .base import (
+    ClosesOnExit,
+    HostFit,
+    Limits,
+    expand,
+    kv_order,
+    rows_of,
+    with_kv_dtype,
+    with_leading_slot,
+    write_right_aligned,
+)
+
+# The oldest onnxruntime that runs a graph of each opset, and one with Kiln's fused contrib ops.
+MIN_ONNXRUNTIME_FOR_OPSET = {17: (1, 13), 18: (1, 14), 19: (1, 16), 20: (1, 17), 21: (1, 18)}
+MIN_ONNXRUNTIME_FOR_CONTRIB_OPS = (1, 31)
 
 
-@dataclass(frozen=True)
-class Limits:
-    """What a backend takes, where it is less than the artifact allows (None: no bound of its own)."""
-
-    max_batch_size: int | None = None
-    max_prompt: int | None = None
-    max_context: int | None = None
-    # Feeding a prompt in pieces (chunked prefill), past > 0 with more than one new token: "any" batch,
-    # "one-row" (ONNX Runtime's GroupQueryAttention takes it for a batch of one only), or "none" (an
-    # engine's profiles are prefill or decode).
-    chunked_prefill: str = "any"
-    # Whether a first prompt can run straight into free rows of a running batch's cache (view_rows): rows
-    # stored from slot 0 of shared buffers, so where a row sits and how wide the batch is change nothing.
-    rows_in_place: bool = False
-
-
-def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
-                 threads: int | None = None, verified: bool = True) -> Any:
-    """The backend a variant's manifest entry calls for: its TensorRT engine, its graph for Kiln's CPU
-    kernels where this host runs them (runtime/cpu_kernels.py), or its ONNX graph."""
-    if "engine" in entry:
-        from .tensorrt_backend import TensorRTBackend
-
-        return TensorRTBackend(folder, entry, verified)
+def open_variant(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+                 threads: int | None = None, verified: bool = True) -> OnnxRuntimeBackend:
+    """A variant's graph for Kiln's CPU kernels where this host runs them (runtime/cpu_kernels.py), else its
+    ONNX graph; refused in one line where the variant runs on those kernels alone and they do not run here."""
     library = kernel_library(entry, providers)
     if library is not None:
         return OnnxRuntimeBackend(folder / entry["kernel_model"], kernel_interface(entry), providers, threads, library)
-    refused = kernels_required(entry, providers)
+    refused = refusal(entry, providers)
     if refused:
         raise IncompatibleArtifact(refused)
     return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
 
 
-def runnable_variant(artifact: Any, name: str | None = None, providers: list[str] | None = None) -> dict[str, Any]:
-    """artifact.variant(name) where this host runs it, refused in one line before anything is loaded where
-    it does not (a variant for Kiln's CPU kernels alone, and they do not run here); without a name, the
-    first built variant this host runs."""
-    if name is None:
-        name = next((n for n, e in artifact.manifest["variants"].items()
-                     if e.get("status") == "built" and not kernels_required(e, providers)), None)
-    entry = artifact.variant(name)
-    refused = kernels_required(entry, providers)
-    if refused:
-        raise IncompatibleArtifact(refused)
-    return entry
+def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> HostFit:
+    """Whether this host's onnxruntime runs the variant's graph: new enough for its opset and contrib ops."""
+    target = entry.get("target", "?")
+    opset = manifest.get("recipe", {}).get("export", {}).get("opset", 18)
+    needed = MIN_ONNXRUNTIME_FOR_OPSET.get(opset, (1, 18))
+    contrib = any(entry.get("fusions", {}).values()) or (entry.get("quantize") or {}).get("mode") in (
+        "int8-dynamic", "int4")
+    if contrib:
+        needed = max(needed, MIN_ONNXRUNTIME_FOR_CONTRIB_OPS)
+    needs = f"onnxruntime >= {'.'.join(map(str, needed))}" + (" (contrib ops)" if contrib else f" (opset {opset})")
+    try:
+        import onnxruntime
+    except ImportError:
+        return HostFit(name, target, needs, "onnxruntime not installed", False, "install kiln[cpu] or kiln[gpu]")
+    here = version_tuple(onnxruntime.__version__)
+    providers = ", ".join(p.removesuffix("ExecutionProvider") for p in onnxruntime.get_available_providers())
+    fits = here[:2] >= needed
+    return HostFit(name, target, needs, f"onnxruntime {onnxruntime.__version__} ({providers})", fits,
+                   "" if fits else "upgrade onnxruntime")
+
+
+def refusal(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+    """Why this host may not run the variant, known before anything loads; else None."""
+    return kernels_required(entry, providers)
 
 
 def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
@@ -122,7 +118,7 @@ def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) 
     None."""
     if entry.get("cpu_kernels") != "required" or kernel_library(entry, providers) is not None:
         return None
-    from . import cpu_kernels
+    from .. import cpu_kernels
 
     why = (cpu_kernels.library()[1] if (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
            else f"the providers asked for ({', '.join(providers or [])}) are not the CPU's")
@@ -137,13 +133,13 @@ def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) ->
     """Kiln's CPU kernel library where this host runs the variant's graph for it, else None."""
     if "kernel_model" not in entry or (providers or ["CPUExecutionProvider"]) != ["CPUExecutionProvider"]:
         return None
-    from . import cpu_kernels
+    from .. import cpu_kernels
 
     return cpu_kernels.library()[0]
 
 
 def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
-    """The interface of the graph open_backend runs for the entry on this host (the memory plan's too)."""
+    """The interface of the graph open_variant runs for the entry on this host (the memory plan's too)."""
     return kernel_interface(entry) if kernel_library(entry, providers) is not None else entry["interface"]
 
 
@@ -152,30 +148,6 @@ def kernel_interface(entry: dict[str, Any]) -> dict[str, Any]:
     (`kernel_prefill`) and its KV cache's type (`kernel_kv_cache`, fp32 where absent)."""
     interface = {**entry["interface"], "prefill": entry.get("kernel_prefill", "rows")}
     return with_kv_dtype(interface, entry["kernel_kv_cache"]) if "kernel_kv_cache" in entry else interface
-
-
-def with_kv_dtype(interface: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """The interface with its past and present KV entries of type `dtype`."""
-    inputs, outputs = interface["inputs"], interface["outputs"]
-    return {**interface, "inputs": [*inputs[:3], *({**entry, "dtype": dtype} for entry in inputs[3:])],
-            "outputs": [outputs[0], *({**entry, "dtype": dtype} for entry in outputs[1:])]}
-
-
-def expand(names: list[dict[str, Any]], layers: int) -> list[str]:
-    out = []
-    for entry in names:
-        if "{layer}" in entry["name"]:
-            out.extend(entry["name"].format(layer=i) for i in range(layers))
-        else:
-            out.append(entry["name"])
-    return out
-
-
-def kv_order(names: list[str]) -> list[str]:
-    """Templates list all keys then all values; the cache is ordered key, value per layer."""
-    keys = [n for n in names if n.endswith(".key")]
-    values = [n for n in names if n.endswith(".value")]
-    return [n for pair in zip(keys, values, strict=True) for n in pair]
 
 
 class KvCache(list):
@@ -198,7 +170,7 @@ class KvCache(list):
         self.logits: np.ndarray | None = None  # the array it is bound to
 
 
-class OnnxRuntimeBackend:
+class OnnxRuntimeBackend(ClosesOnExit):
     def __init__(self, model_path: Path, interface: dict[str, Any], providers: list[str] | None = None,
                  threads: int | None = None, kernels: Path | None = None) -> None:
         """`kernels`: Kiln's CPU kernel library, for a graph with its ops (runtime/cpu_kernels.py)."""
@@ -439,27 +411,6 @@ def _first_rows(cache: KvCache, rows: int) -> KvCache:
     return KvCache([array[:rows] for array in cache], 0, True) if cache[0].shape[0] > rows else cache
 
 
-def rows_of(arrays: list[np.ndarray], rows: Sequence[int], lead: int, length: int, front: int,
-            capacity: int | None) -> list[np.ndarray]:
-    """keep_rows on host arrays of [batch, kv_heads, lead + slots, head_dim]: new arrays, each with
-    `capacity` slots, or exactly lead + length + front. `arrays` is emptied as it is read: each source
-    array is let go once copied, so the copy holds one array more than the larger of the two caches,
-    not both caches (measured on SmolLM2, batch 8 growing to 1024 slots: 270 MiB less at the peak)."""
-    rows = np.asarray(rows, np.int64)
-    taken = rows >= 0
-    source = slice(lead + max(0, -front), lead + length)
-    target = slice(lead + max(0, front), lead + length + front)
-    slots = capacity if capacity is not None else lead + length + front
-    out = []
-    for i in range(len(arrays)):
-        array, arrays[i] = arrays[i], None
-        kept = np.zeros((len(rows), array.shape[1], slots, array.shape[3]), array.dtype)
-        kept[taken, :, target] = array[rows[taken], :, source]
-        out.append(kept)
-        del array
-    return out
-
-
 def _released(cache: KvCache) -> list[np.ndarray]:
     """The cache's arrays, for keep_rows to copy and let go of one by one: the cache itself (and ONNX
     Runtime's binding, which holds views of them) keeps none."""
@@ -469,21 +420,8 @@ def _released(cache: KvCache) -> list[np.ndarray]:
     return arrays
 
 
-def write_right_aligned(arrays: list[np.ndarray], rows: Sequence[int], length: int, sources: list[np.ndarray],
-                        source_rows: Sequence[int], source_length: int, lead: int) -> None:
-    """write_rows on host arrays: the source rows' `source_length` slots become the last ones in use."""
-    if source_length > length:
-        raise ValueError(f"rows of {source_length} slots do not fit a cache of {length}; add slots in front first")
-    target = slice(lead + length - source_length, lead + length)
-    for array, source in zip(arrays, sources, strict=True):
-        array[list(rows), :, target] = source[list(source_rows), :, lead:lead + source_length]
-
-
 def front_mask(lengths: np.ndarray) -> np.ndarray:
     """The mask of rows stored from slot 0: row i's first lengths[i] slots (at least one column)."""
     return (np.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]).astype(np.int64)
 
 
-def with_leading_slot(attention_mask: np.ndarray) -> np.ndarray:
-    """The mask over [leading slot, cache..., new tokens]: the slot is always masked out."""
-    return np.concatenate([np.zeros((len(attention_mask), 1), np.int64), attention_mask], axis=1)

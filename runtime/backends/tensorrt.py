@@ -13,7 +13,7 @@ the other, and they swap, so no step allocates or copies the cache.
 Device memory goes through Polygraphy's CUDA wrapper (ctypes over libcudart), never torch. Importing
 this module needs neither TensorRT nor a GPU; constructing a backend without them fails with one line.
 
-Not run on hardware by this project: no machine it runs on has TensorRT (see README).
+Not run on hardware by this project: no machine it runs on has TensorRT (see docs/gpu.md).
 """
 
 from __future__ import annotations
@@ -23,13 +23,46 @@ from typing import Any
 
 import numpy as np
 
-from .artifact import version_tuple
-from .backend import Limits, expand, rows_of, with_leading_slot, write_right_aligned
-from .errors import IncompatibleArtifact, KilnError
+from ..artifact import version_tuple
+from ..errors import IncompatibleArtifact, KilnError
+from .base import ClosesOnExit, HostFit, Limits, expand, rows_of, with_leading_slot, write_right_aligned
 
 
 class ShapeOutsideProfiles(KilnError):
     """A step's shapes fit none of the engine's optimization profiles."""
+
+
+def open_variant(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+                 threads: int | None = None, verified: bool = True) -> TensorRTBackend:
+    """A variant's TensorRT engine on this host's GPU (providers and threads are ONNX Runtime's: unused)."""
+    return TensorRTBackend(folder, entry, verified)
+
+
+def refusal(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+    """Nothing is refused before loading: the engine's host check needs TensorRT and the GPU (host_fit)."""
+    return None
+
+
+def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
+    return entry["interface"]
+
+
+def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> HostFit:
+    """Whether this host runs the variant's engine: TensorRT's release and the GPU's compute capability."""
+    engine = entry["engine"]
+    needs = (f"TensorRT {engine['tensorrt_version']}{'+' if engine.get('version_compatible') else ''}, "
+             f"compute capability {engine['compute_capability']}"
+             + (" or newer (ampere_plus)" if engine.get("hardware_compatibility") == "ampere_plus" else ""))
+    try:
+        import tensorrt
+    except ImportError:
+        return HostFit(name, "tensorrt", needs, "TensorRT not installed", False, "install kiln[tensorrt]")
+    try:
+        gpu, capability = host_gpu()
+        check_host(engine, tensorrt.__version__, capability, gpu)
+    except (IncompatibleArtifact, ImportError) as exc:
+        return HostFit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}", False, str(exc))
+    return HostFit(name, "tensorrt", needs, f"TensorRT {tensorrt.__version__}, {gpu} ({capability})", True)
 
 
 # -- pure checks (tested on any machine) ----------------------------------------------------------
@@ -119,7 +152,7 @@ def host_gpu() -> tuple[str, str]:
     return name, f"{props.major}.{props.minor}"
 
 
-class TensorRTBackend:
+class TensorRTBackend(ClosesOnExit):
     def __init__(self, folder: Path, entry: dict[str, Any], verified: bool) -> None:
         trt, cuda = _import_tensorrt()
         engine_facts = entry["engine"]
@@ -169,7 +202,7 @@ class TensorRTBackend:
 
     def keep_rows(self, cache: _EngineCache, rows: list[int], front: int = 0,
                   capacity: int | None = None) -> _EngineCache:
-        """The backend protocol's keep_rows (backend.py), through the host: the engine calls it only when
+        """The backend protocol's keep_rows (base.py), through the host: the engine calls it only when
         the batch needs more rows or columns, or drops free rows or padding."""
         kept = rows_of(self._download(cache), rows, 1, cache.length, front, None)
         target = _EngineCache.zeros(self.cuda, len(rows), len(self.past_names), self.kv_heads,
@@ -177,6 +210,14 @@ class TensorRTBackend:
         self._upload(kept, target)
         cache.free()
         return target
+
+    def view_rows(self, cache: _EngineCache, first: int, count: int) -> None:
+        """Never: a first prompt runs into a cache of its own, joined by write_rows (limits.rows_in_place)."""
+        return None
+
+    def close(self) -> None:
+        """The engine and its context go; caches free their own device buffers."""
+        self.context = self.engine = None
 
     def write_rows(self, cache: _EngineCache, rows: list[int], source: _EngineCache,
                    source_rows: list[int]) -> _EngineCache:

@@ -15,7 +15,7 @@ from compiler.errors import ExportMismatch
 from compiler.export import kv_names
 from compiler.pipeline import compile_recipe
 from runtime.artifact import Artifact, sha256_file
-from runtime.backend import OnnxRuntimeBackend
+from runtime.backends.onnxruntime import OnnxRuntimeBackend
 from runtime.errors import ArtifactError
 from tests.conftest import write_recipe
 

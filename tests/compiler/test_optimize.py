@@ -15,7 +15,7 @@ from compiler.fusions import group_query_attention
 from compiler.optimize import compare_graphs, optimize
 from compiler.tensorrt_check import TensorRTIncompatible, check_tensorrt_graph
 from runtime.artifact import Artifact
-from runtime.backend import OnnxRuntimeBackend
+from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
 # {family: {rule: count}} on the tiny models of tests/conftest.py (2 layers each)
 ROTARY = {"group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4, "rotary_embedding": 4,
@@ -295,7 +295,7 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     SwiGLU kernels' numbers are ONNX Runtime's)."""
     from compiler.optimize import CHECK_PADS, CHECK_PROMPT, CHECK_STEPS, _fp32_matmul_weights, _greedy_steps
     from runtime import cpu_kernels
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     folder = tiny_artifacts[family]
     entry = Artifact.open(folder).variant("cpu-fp32")

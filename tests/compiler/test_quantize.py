@@ -15,7 +15,7 @@ import pytest
 from compiler.accuracy import Inputs, failed_gates, greedy_match, perplexity
 from compiler.errors import GateFailure
 from compiler.pipeline import compile_recipe
-from compiler.quantize import weight_matmuls
+from compiler.weights import weight_matmuls
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
 from tests.conftest import as_bf16, write_recipe
@@ -261,7 +261,7 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
     from compiler.pipeline import gate_failure
     from runtime import cpu_kernels
     from runtime.artifact import Artifact
-    from runtime.backend import runnable_variant
+    from runtime.backends.registry import runnable_variant
     from runtime.errors import ArtifactError, IncompatibleArtifact
     from runtime.interop import export_folder
 
@@ -562,7 +562,7 @@ def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant, m
     must not depend on its neighbours: each row's logits batched equal its logits alone, bit for bit,
     and greedy tokens match. On a CPU with AVX2 but no AVX-512, the 4-bit kernel computes a lone row
     of blocks of 32 (cpu-int4-gptq) differently, and this holds only through the backend's spare row
-    (runtime/backend.py, lone rows). cpu-int8 runs on Kiln's CPU kernels where this machine has them,
+    (runtime/backends/onnxruntime.py, lone rows). cpu-int8 runs on Kiln's CPU kernels where this machine has them,
     and on MLAS's MatMulNBits with them turned off."""
     from runtime import cpu_kernels
 
@@ -619,7 +619,8 @@ def test_quantized_lm_head_gets_its_top_logits_exactly(tied):
     import onnxruntime as ort
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    from compiler.quantize import _exact_rows, _rescore_top_logits, lm_head
+    from compiler.quantize import _exact_rows, _rescore_top_logits
+    from compiler.weights import lm_head
 
     model, head = _lm_head_graph(tied)
     assert lm_head(model) == "lm_head"

@@ -10,8 +10,8 @@ import onnx
 import pytest
 
 from compiler.pipeline import compile_recipe
-from compiler.quantize import weight_matmuls
 from compiler.sensitivity import fewest_kept, lightest_kept, module_groups
+from compiler.weights import weight_matmuls
 from tests.conftest import VOCAB, write_recipe
 
 
@@ -182,7 +182,7 @@ def test_layerwise_error_starts_at_the_first_quantized_block(tiny_artifacts, tmp
 def test_layerwise_logits_row_shows_what_a_quantized_head_adds(tiny_artifacts, tmp_path, family_name, tied):
     """Only the LM head quantized: the stream matches fp32 everywhere, and the logits' error is the head's,
     for a head of its own and one tied to the embedding table (read through a Transpose)."""
-    from compiler.quantize import lm_head_weight
+    from compiler.weights import lm_head_weight
 
     artifact = tiny_artifacts[family_name]
     entry = json.loads((artifact / "manifest.json").read_text())["variants"]["cpu-fp32"]

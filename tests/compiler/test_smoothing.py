@@ -13,7 +13,7 @@ from compiler.smoothing import smooth
 
 
 def _logits(model_path, interface, ids):
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     backend = OnnxRuntimeBackend(model_path, interface)
     cache = backend.new_cache(1, len(ids) + 1)

@@ -21,10 +21,11 @@ from compiler.pipeline import compile_recipe
 from compiler.recipe import Profiles, default_profiles, load_recipe
 from compiler.tensorrt_build import engine_profiles
 from runtime.artifact import Artifact
-from runtime.backend import OnnxRuntimeBackend, open_backend
+from runtime.backends.onnxruntime import OnnxRuntimeBackend
+from runtime.backends.registry import open_backend
+from runtime.backends.tensorrt import ShapeOutsideProfiles, check_host, pick_profile
 from runtime.errors import IncompatibleArtifact
 from runtime.generator import Generator, left_padded
-from runtime.tensorrt_backend import ShapeOutsideProfiles, check_host, pick_profile
 from tests.conftest import write_recipe
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -193,7 +194,7 @@ def test_engine_backend_without_tensorrt_is_one_clear_error(trt_artifact):
 
 
 def test_importing_compiler_and_runtime_needs_no_tensorrt():
-    code = ("import sys, runtime.tensorrt_backend, runtime.generator, compiler.tensorrt_build, compiler.pipeline;"
+    code = ("import sys, runtime.backends.tensorrt, runtime.generator, compiler.tensorrt_build, compiler.pipeline;"
             "assert 'tensorrt' not in sys.modules and 'polygraphy' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -104,7 +104,7 @@ def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
 def test_a_graph_with_bf16_activations_runs_wherever_the_library_does(monkeypatch):
     """Without AVX-512 BF16 the bf16 op runs on FMAs (the same numbers: below), so a variant's kernels'
     graph is run on any host the library runs on; KILN_CPU_KERNELS_BF16=fma takes that path here too."""
-    from runtime.backend import kernel_library
+    from runtime.backends.onnxruntime import kernel_library
 
     entry = {"kernel_model": "variants/v/model_kernels.onnx", "kernel_activations": cpu_kernels.BF16_ACTIVATIONS}
     monkeypatch.setenv(cpu_kernels.BF16_PATH_VARIABLE, "fma")

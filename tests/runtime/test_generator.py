@@ -122,7 +122,7 @@ def test_runtime_never_imports_torch(tiny_artifacts):
         "import sys, json\n"
         "from runtime.generator import Generator\n"
         "from runtime.sampling import SamplingParams\n"
-        "import runtime.kiln_cli, runtime.ship, runtime.tensorrt_backend, runtime.server\n"
+        "import runtime.kiln_cli, runtime.ship, runtime.backends.tensorrt, runtime.server\n"
         f"runtime.ship.check_integrity(__import__('pathlib').Path({str(tiny_artifacts['llama'])!r}))\n"
         f"g = Generator.load({str(tiny_artifacts['llama'])!r})\n"
         "r = g.generate(['hello'], SamplingParams(max_new_tokens=3))[0]\n"
@@ -213,11 +213,11 @@ def test_fused_graph_decodes_exactly_like_the_unfused_one(tiny_artifacts, family
 
 def test_lone_rows_run_beside_a_spare_with_the_same_numbers(tiny_artifacts, monkeypatch):
     """Where a CPU's kernels give a row alone other numbers than the same row batched, the backend finds
-    out on load (min_rows = 2) and never runs a lone row (runtime/backend.py, lone rows). Forced here
+    out on load (min_rows = 2) and never runs a lone row (runtime/backends/onnxruntime.py, lone rows). Forced here
     on the fp32 tiny Llama: a lone sequence's steps beside a spare row, a batch shrinking to one, and a
     one-token prompt prefilled beside longer ones (in a scratch cache) give the plain run's logits,
     bit for bit, so the dummy rows touch nothing of the real ones."""
-    from runtime.backend import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     plain = Generator.load(tiny_artifacts["llama"], threads=2)
     spare = Generator.load(tiny_artifacts["llama"], threads=2)

@@ -47,7 +47,7 @@ def test_genai_batch_of_prompts_of_different_lengths_gets_each_rows_own_tokens(t
     """onnxruntime-genai feeds a batch right-padded; a `logits: last` graph must give each row its own
     last token's logits, not the last column's (which is a pad in the shorter rows). Sliding-window
     families are left out: genai's decode steps keep a shorter row's pads between its prompt and its
-    new tokens, inside the window's slots (a known limit, README: Interop)."""
+    new tokens, inside the window's slots (a known limit, docs/interop.md)."""
     import numpy as np
     import onnxruntime_genai as og
 
@@ -105,8 +105,15 @@ def test_sidecars_are_listed_hashed_and_read_by_transformers(tiny_artifacts, tin
         assert tokenizer(PROMPTS[1]).input_ids == generator.encode(PROMPTS[1])
 
 
+def own_copy(artifact: Path, tmp_path: Path) -> Path:
+    """A copy of a shared artifact for a test that exports from it: export-for hard-links the artifact's
+    files, and onnx refuses to read external data from a file with more than one link (a hardlink attack,
+    as onnx sees it), which a later test quantizing the shared artifact's graph would meet."""
+    return shutil.copytree(artifact, tmp_path / f"{artifact.name}-own")
+
+
 def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
-    artifact = tiny_artifacts["qwen2"]
+    artifact = own_copy(tiny_artifacts["qwen2"], tmp_path)
     out = tmp_path / "genai"
     result = _kiln("export-for", "genai", f"{artifact}:cpu-fp32-unfused", out)
     assert result.returncode == 0, result.stderr
@@ -137,7 +144,7 @@ def test_export_for_optimum_refuses_what_optimum_cannot_run(tiny_artifacts, tmp_
     assert not (tmp_path / "out").exists()
     described = _kiln("inspect", tiny_artifacts["phi3"]).stdout
     assert "opens in   onnxruntime-genai (og.Model)" in described and "not in     Optimum 2.1" in described
-    assert _kiln("export-for", "optimum", tiny_artifacts["llama"], tmp_path / "llama").returncode == 0
+    assert _kiln("export-for", "optimum", own_copy(tiny_artifacts["llama"], tmp_path), tmp_path / "llama").returncode == 0
 
 
 def test_export_for_an_artifact_compiled_before_sidecars(tiny_artifacts, tmp_path):

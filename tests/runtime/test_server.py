@@ -362,11 +362,10 @@ def test_health_is_503_until_the_model_is_loaded(serve_artifact):
 
     import uvicorn
 
-    from runtime.artifact import Artifact
+    from runtime.model import select_variant
     from runtime.server import ServeConfig, Service, create_app
 
-    artifact = Artifact.open(serve_artifact)
-    service = Service(ServeConfig(serve_artifact, threads=1), artifact, artifact.variant())
+    service = Service(ServeConfig(serve_artifact, threads=1), select_variant(serve_artifact))
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning"))

@@ -1,0 +1,119 @@
+"""The kinds of backend, one row each, and the questions every caller asks of a variant through them.
+
+A variant's manifest entry names its kind by the file it runs: an `engine` (TensorRT) or a `model`
+(an ONNX graph, run by ONNX Runtime). Loading, `kiln verify` and `kiln install`'s host check,
+compare-model, memory planning and interop ask this module, never the entry's keys or its target
+string. A new backend is one module beside this one (open_variant, refusal, served_interface,
+host_fit, and a class that follows base.Backend) and one row in KINDS.
+
+The recipe's `target` says which graph the compiler builds (Target below); the kind says what runs
+it. They differ where a TensorRT variant is compiled on a host without a GPU: its standard-ops graph
+has no engine yet and runs, for its checks, on ONNX Runtime.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from enum import StrEnum
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from ..errors import IncompatibleArtifact
+from .base import Backend, HostFit
+
+CPU_PROVIDERS = ["CPUExecutionProvider"]
+
+
+class Target(StrEnum):
+    """What a recipe variant is compiled for (compiler/recipe.py's `target`)."""
+
+    ONNXRUNTIME = "onnxruntime"
+    TENSORRT = "tensorrt"
+
+
+@dataclass(frozen=True)
+class BackendKind:
+    name: str
+    manifest_key: str  # the key of a variant's manifest entry that names this kind's file
+    module: str  # the module with open_variant, refusal, served_interface and host_fit
+    memory: str  # where its weights and KV cache live: "host" (planned here) or "device" (a GPU's)
+    runs_on: str  # a few words for reports
+    # Whether other tools (Optimum, onnxruntime-genai) can be handed the variant's graph.
+    opens_in_other_tools: bool
+
+    def load(self) -> ModuleType:
+        return importlib.import_module(self.module)
+
+
+# In the order they are tried: an entry with an engine runs it, even though it has a model.onnx too.
+KINDS = (
+    BackendKind("tensorrt", "engine", "runtime.backends.tensorrt", "device", "TensorRT engine", False),
+    BackendKind("onnxruntime", "model", "runtime.backends.onnxruntime", "host", "ONNX Runtime CPU", True),
+)
+
+
+def kind_of(entry: dict[str, Any]) -> BackendKind:
+    """The kind of backend that runs a variant's manifest entry."""
+    kind = next((kind for kind in KINDS if kind.manifest_key in entry), None)
+    if kind is None:
+        keys = " or ".join(repr(kind.manifest_key) for kind in KINDS)
+        raise IncompatibleArtifact(f"variant {entry.get('name', '?')!r} names no file to run ({keys}); "
+                                   "recompile the artifact")
+    return kind
+
+
+def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+                 threads: int | None = None, verified: bool = True) -> Backend:
+    """The backend a variant's manifest entry calls for on this host (its TensorRT engine, its graph for
+    Kiln's CPU kernels where they run here, or its ONNX graph). Close it, or use it in a `with`."""
+    return kind_of(entry).load().open_variant(folder, entry, providers, threads, verified)
+
+
+def refusal(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+    """Why this host may not run the variant, where that is known before anything loads; else None."""
+    return kind_of(entry).load().refusal(entry, providers)
+
+
+def runnable_variant(artifact: Any, name: str | None = None, providers: list[str] | None = None) -> dict[str, Any]:
+    """artifact.variant(name) where this host runs it, refused in one line before anything is loaded where
+    it does not (a variant for Kiln's CPU kernels alone, and they do not run here); without a name, the
+    first built variant this host runs."""
+    if name is None:
+        name = next((n for n, e in artifact.manifest["variants"].items()
+                     if e.get("status") == "built" and not refusal(e, providers)), None)
+    entry = artifact.variant(name)
+    refused = refusal(entry, providers)
+    if refused:
+        raise IncompatibleArtifact(refused)
+    return entry
+
+
+def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
+    """The interface of the graph open_backend runs for the entry on this host (the memory plan's too)."""
+    return kind_of(entry).load().served_interface(entry, providers)
+
+
+def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> HostFit:
+    """Whether this host runs a variant: built, and its kind's own check (runtime versions, the GPU)."""
+    if entry.get("status") != "built":
+        why = entry.get("reason") or ", ".join(entry.get("failed_gates", [])) or entry.get("status", "?")
+        return HostFit(name, entry.get("target", "?"), "-", "-", False, f"{entry.get('status')}: {why}")
+    return kind_of(entry).load().host_fit(name, entry, manifest)
+
+
+def memory_on_host(entry: dict[str, Any], providers: list[str] | None = None) -> bool:
+    """Whether the variant's weights and KV cache would be this host's memory (not a GPU's) when run with
+    `providers`: what memory planning plans."""
+    return kind_of(entry).memory == "host" and (providers or CPU_PROVIDERS)[0] == CPU_PROVIDERS[0]
+
+
+def runs_on(entry: dict[str, Any]) -> str:
+    return kind_of(entry).runs_on
+
+
+def opens_in_other_tools(entry: dict[str, Any]) -> bool:
+    """Whether the variant's graph is one Optimum and onnxruntime-genai open: an ONNX Runtime graph of an
+    onnxruntime target (a TensorRT variant's graph is built for TensorRT's parser)."""
+    return kind_of(entry).opens_in_other_tools and entry.get("target") == Target.ONNXRUNTIME
