@@ -264,17 +264,17 @@ def test_abort_frees_the_row_at_the_next_step(tiny_artifacts):
 
 
 def test_a_failing_request_fails_alone(tiny_artifacts, monkeypatch):
-    import runtime.engine
+    import runtime.outputs
 
     generator = Generator.load(tiny_artifacts["llama"])
-    real = runtime.engine.next_token
+    real = runtime.outputs.next_token
 
     def failing(logits, history, params, rng):
         if params.seed == 13:
             raise FloatingPointError("probabilities do not sum to 1")
         return real(logits, history, params, rng)
 
-    monkeypatch.setattr(runtime.engine, "next_token", failing)
+    monkeypatch.setattr(runtime.outputs, "next_token", failing)
     params = [SamplingParams(max_new_tokens=6, temperature=0.8, seed=s, ignore_eos=True) for s in (1, 13, 2)]
     results = generator.generate(["The quick", "A KV cache", "def add"], params)
     assert [r.finish_reason for r in results] == ["length", "error", "length"]
