@@ -150,6 +150,10 @@ class ContentPart(BaseModel):
     text: str | None = None
 
 
+# The roles OpenAI's chat API takes; any other is a 400 there, and here.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="allow")
 
@@ -157,6 +161,9 @@ class ChatMessage(BaseModel):
     content: str | list[ContentPart] | None = None
 
     def as_template_input(self) -> dict[str, str]:
+        if self.role not in CHAT_ROLES:
+            raise ApiError(400, f"Invalid value {self.role!r} for a message's role: it must be one of "
+                           f"{', '.join(CHAT_ROLES)}", "messages")
         if isinstance(self.content, list):
             if any(part.type != "text" for part in self.content):
                 raise ApiError(400, "only text content parts are supported", "messages")

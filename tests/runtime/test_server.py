@@ -310,6 +310,20 @@ def test_bad_requests_get_openai_shaped_errors(server, payload, status, param, m
     assert body["error"]["param"] == param and message in body["error"]["message"]
 
 
+def test_a_chat_message_of_a_role_openai_does_not_have_is_a_400(server):
+    """The real openai client sends the body as given; the server answers 400 as OpenAI's API does."""
+    import openai
+
+    client = server.client()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=MODEL, max_tokens=4,
+                                       messages=[{"role": "user", "content": "Hi"}, {"role": "wizard", "content": "x"}])
+    assert refused.value.status_code == 400 and "'wizard'" in refused.value.message
+    answer = client.chat.completions.create(model=MODEL, max_tokens=4, temperature=0,
+                                            messages=[{"role": "user", "content": "Say hi"}])
+    assert answer.choices[0].finish_reason in ("stop", "length")
+
+
 def test_malformed_json_missing_key_and_unknown_route(server):
     status, _, body = server.post("/v1/chat/completions", b'{"model": "tiny-serve", "messages": [')
     assert status == 400 and "not valid JSON" in body["error"]["message"]
