@@ -184,9 +184,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     blocks of its own, so an fp32 graph's logits are model.onnx's to fp32's rounding."""
     import onnx
 
-    from runtime import cpu_kernels
-    from runtime.backends.base import with_kv_dtype
-    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, FP32_MATMUL_OP, KERNEL_DATA_FILE, SWIGLU_OP
+    from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE
 
     proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
@@ -220,16 +218,42 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     for name in graph.files[1:]:
         if name.endswith(".data"):
             link_or_copy(graph.folder / name, folder / name)
-    replaced = set()
-    for _, (split, sigmoid, silu, product) in swiglus:  # the last Mul becomes the op, where it stands in the order
+    replaced: set[str] = set()  # initializers that replaced nodes read: dropped where nothing else does
+    _swap_swiglus(proto, swiglus, initializers, replaced)
+    _swap_fp32_matmuls(proto, fp32_matmuls, producers, outside)
+    _swap_block_matmuls(proto, eligible, gated, initializers, graph.folder, folder, activations, replaced)
+    _drop_unread(proto, eligible, initializers, replaced)
+    proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
+    interface = _kernel_graph_interface(proto, graph.interface, eligible, attentions, kv_cache, activations)
+    onnx.save(proto, str(folder / MODEL_FILE))
+    built = saved_graph(folder, interface, graph.shapes)
+    return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
+        len(eligible) + len(attentions) + len(swiglus) + len(fp32_matmuls)
+
+
+def _swap_swiglus(proto: Any, swiglus: list, initializers: dict[str, Any], replaced: set[str]) -> None:
+    """Each SwiGLU after an fp32 MatMul: its Split, Sigmoid and Mul go, the last Mul becomes the op where it
+    stands in the order."""
+    from runtime.cpu_kernels import DOMAIN, SWIGLU_OP
+
+    for _, (split, sigmoid, silu, product) in swiglus:
         for gone in (split, sigmoid, silu):
             replaced.update(name for name in gone.input if name in initializers)  # the Split's sizes
             proto.graph.node.remove(gone)
         product.domain, product.op_type = DOMAIN, SWIGLU_OP
         product.input[:] = [split.input[0]]
         del product.attribute[:]
+
+
+def _swap_fp32_matmuls(proto: Any, fp32_matmuls: list, producers: dict[str, Any], outside: set[str]) -> None:
+    """Each MatMul by fp32 weights as MatMulFp32 over the same initializer, or over the initializer a
+    Transpose fed it (transB); a Transpose nothing else reads goes."""
+    import onnx
+
+    from runtime.cpu_kernels import DOMAIN, FP32_MATMUL_OP
+
     transposes = [producers[node.input[1]] for node, (_, transposed, _) in fp32_matmuls if transposed]
-    for node, (weights, transposed, _) in fp32_matmuls:  # same inputs, or the transposed initializer itself
+    for node, (weights, transposed, _) in fp32_matmuls:
         node.domain, node.op_type = DOMAIN, FP32_MATMUL_OP
         if transposed:
             node.input[1] = weights
@@ -238,9 +262,20 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     for transpose in {id(t): t for t in transposes}.values():  # one Transpose may feed several
         if transpose.output[0] not in read:
             proto.graph.node.remove(transpose)
+
+
+def _swap_block_matmuls(proto: Any, eligible: list, gated: dict[str, Any], initializers: dict[str, Any],
+                        source: Path, folder: Path, activations: str, replaced: set[str]) -> None:
+    """Each MatMulNBits in blocks of 32 as Kiln's 8- or 4-bit op, its weights packed into KERNEL_DATA_FILE
+    (page-aligned, so ONNX Runtime can map them in place); a gated one computes its SwiGLU itself."""
+    import onnx
+
+    from runtime import cpu_kernels
+    from runtime.cpu_kernels import DOMAIN, KERNEL_DATA_FILE
+
     with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
-            weights = [_initializer_array(initializers[name], graph.folder) if name else None
+            weights = [_initializer_array(initializers[name], source) if name else None
                        for name in [*node.input[1:4], ""][:3]]
             if node.name in gated:  # tiles alternate gate and up
                 half = made.n // 2
@@ -251,7 +286,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
             bf16 = made.bits == 4 and activations == "bf16"
             if bf16:
                 packed = cpu_kernels.bf16_layout(packed, made.k)
-            data.write(b"\0" * (-data.tell() % 4096))  # page-aligned: ONNX Runtime can map it in place
+            data.write(b"\0" * (-data.tell() % 4096))
             tensor = onnx.TensorProto(name=f"int{made.bits}_blocks.{number}.{node.name}",
                                       data_type=onnx.TensorProto.UINT8, dims=[packed.size],
                                       data_location=onnx.TensorProto.EXTERNAL)
@@ -271,8 +306,13 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
                 for gone in replaced_nodes:
                     replaced.update(name for name in gone.input if name in initializers)  # the Split's sizes
                     proto.graph.node.remove(gone)
+
+
+def _drop_unread(proto: Any, eligible: list, initializers: dict[str, Any], replaced: set[str]) -> None:
+    """The block means' nodes that no node reads any more (the Concat first), then the initializers that only
+    replaced nodes read."""
     bypassed = {name for _, made in eligible for name in made.bypassed}
-    while True:  # the block means' nodes that no node reads any more, the Concat first
+    while True:
         read = _names_read(proto.graph) | {output.name for output in proto.graph.output}
         dead = [n for n in proto.graph.node if n.name in bypassed and not read & set(n.output)]
         if not dead:
@@ -284,20 +324,25 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     kept = [i for i in proto.graph.initializer if i.name in used or i.name not in replaced]
     del proto.graph.initializer[:]
     proto.graph.initializer.extend(kept)
-    proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
-    interface = graph.interface
+
+
+def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: list, attentions: list,
+                            kv_cache: str, activations: str) -> dict[str, Any]:
+    """The variant's interface, with what the kernels' graph changes: bf16 activations, prompts of
+    different lengths prefilled in one step where every attention is Kiln's, an fp16 KV cache."""
+    from runtime import cpu_kernels
+    from runtime.backends.base import with_kv_dtype
+
     if activations == "bf16" and any(made.bits == 4 for _, made in eligible):
         interface = {**interface, "activations": cpu_kernels.BF16_ACTIVATIONS}
-    if attentions and not any(n.op_type == "GroupQueryAttention" and n.domain != DOMAIN for n in proto.graph.node):
+    if attentions and not any(n.op_type == "GroupQueryAttention" and n.domain != cpu_kernels.DOMAIN
+                              for n in proto.graph.node):
         # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
         interface = {**interface, "prefill": "batched"}
         if kv_cache == "float16" and _half_cache(proto, attentions):
             interface = with_kv_dtype(interface, "float16")
-    onnx.save(proto, str(folder / MODEL_FILE))
-    built = saved_graph(folder, interface, graph.shapes)
-    return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
-        len(eligible) + len(attentions) + len(swiglus) + len(fp32_matmuls)
+    return interface
 
 
 def _half_cache(proto: Any, attentions: list[Any]) -> bool:

@@ -1,7 +1,8 @@
 """compile-model's pipeline: recipe -> load -> eager reference (prompts, text) -> export (and eager
 on its cases; these three in a process of their own, the only one that imports torch) -> validate
-export -> per variant (optimize -> [exclude: auto's sensitivity search] -> quantize -> A/B against
-eager + gates, reports/<variant>.*) -> package.
+export -> per variant (the named steps of compiler/variant_build.py: optimize -> [exclude: auto's
+sensitivity search] -> quantize -> pack -> rotary -> kernels' graph -> A/B against eager + gates,
+reports/<variant>.* -> files -> manifest entry -> memory -> [engine]) -> package.
 
 Each stage is a function from one artifact to the next; this module only sequences them, times
 them, and makes sure the result appears all at once or not at all.
@@ -24,18 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from runtime.backends.onnxruntime import OnnxRuntimeBackend
-from runtime.backends.registry import Target, open_backend
-from runtime.cpu_kernels import KERNEL_DATA_FILE, KERNEL_MODEL_FILE
-from runtime.memory import free_host_memory, measure_in_subprocess
+from runtime.backends.registry import Target
+from runtime.memory import free_host_memory
 
-from .accuracy import Inputs, Run, failed_gates, measure, reference_run
-from .compare import Side, assemble, eager_side, read_inputs
+from .accuracy import Run, reference_run
+from .compare import Side, eager_side, read_inputs
 from .errors import CompileProcessError, GateFailure, InsufficientDisk, InsufficientMemory, OutputError, RecipeError
 from .export import OnnxArtifact, export
-from .fusions import pack_matmuls, rotary_in_attention
 from .load import Checkpoint, attention_for_export, fp32_weight_bytes, load_checkpoint, preflight, vocab_size
-from .optimize import GENAI_MODEL_FILE, fold_rotary, kernel_graph, optimize, pack
 from .package import (
     model_facts,
     remove_stale_staging,
@@ -45,26 +42,22 @@ from .package import (
     write_sidecars,
     write_tokenizer,
 )
-from .progress import StageLog, c_library_function, current_rss, release_freed_memory
-from .quantize import check_finite, quantize
+from .progress import StageLog, c_library_function, current_rss
 from .recipe import (
     DEFAULT_CALIBRATION,
     DEFAULT_MAX_CONTEXT,
     DEFAULT_PROMPTS,
     DEFAULT_TEXT,
-    EngineSpec,
     Recipe,
     Variant,
-    default_profiles,
     load_recipe,
     read_prompts,
     resolve_path,
     with_max_context,
 )
-from .report import largest_additions, layerwise_ends, write_report
-from .sensitivity import layer_sensitivity, lightest_kept, residual_errors, weight_elements, weight_groups, with_exclude
-from .tensorrt_build import PROFILES_FILE, EngineUnavailable, build_engine, engine_interface, engine_profiles
+from .tensorrt_build import EngineUnavailable
 from .validate_export import CASES, EagerCase, eager_cases, validate_export
+from .variant_build import ValidationData, build_variant, describe
 
 # A compile's peak resident memory against the model's fp32 weights: an upper bound over
 # bench/compile_scale.py's random Llamas (docs/compiling.md, "Compile time and memory"), which fit 0.4 GiB plus
@@ -189,9 +182,9 @@ def compile_recipe(recipe_path: str | Path, out: str | Path | None = None, varia
             )
         built = {}
         for variant in variants:
-            with log.stage(f"variant {variant.name}", _describe(variant)):
-                built[variant.name] = _build_variant(variant, exported, staging, data, eager, reference, recipe,
-                                                     base, log)
+            with log.stage(f"variant {variant.name}", describe(variant)):
+                built[variant.name] = build_variant(variant, exported, staging, data, eager, reference, recipe,
+                                                    base, log)
         skipped = {n: v["reason"] for n, v in built.items() if v["status"] == "skipped"}
         if skipped and strict:
             lines = "; ".join(f"{n}: {reason}" for n, reason in skipped.items())
@@ -365,19 +358,6 @@ def _check_context(recipe: Recipe, checkpoint: Checkpoint, asked: int | None, wh
     return recipe
 
 
-def _describe(variant: Variant) -> str:
-    mode = variant.quantize.mode if variant.quantize else None
-    parts = [variant.target, variant.precision, mode, "fused" if variant.fuse else None]
-    return ", ".join(p for p in parts if p)
-
-
-@dataclass
-class ValidationData:
-    inputs: Inputs
-    prompts: list[str]
-    calibration: dict[str, list[list[int]]]  # by variant name: its own calibration file, or the shipped set
-
-
 def _validation_data(recipe: Recipe, base: Path, eager: Side) -> ValidationData:
     """compare-model's inputs from the recipe's files, tokenized by the checkpoint's tokenizer."""
     prompts_file = resolve_path(base, recipe.validate_.prompts) if recipe.validate_.prompts else DEFAULT_PROMPTS
@@ -393,292 +373,6 @@ def _validation_data(recipe: Recipe, base: Path, eager: Side) -> ValidationData:
             encoded[file] = [eager.encode(p)[: recipe.export.max_context] for p in read_prompts(file)]
         calibration[variant.name] = encoded[file]
     return ValidationData(inputs, texts, calibration)
-
-
-def _build_variant(variant: Variant, exported: OnnxArtifact, staging: Path, data: ValidationData, eager: Side,
-                   reference: Run, recipe: Recipe, base: Path, log: StageLog) -> dict[str, Any]:
-    entry: dict[str, Any] = {"target": variant.target, "precision": variant.precision,
-                             "quantize": variant.quantize.model_dump() if variant.quantize else None,
-                             "fuse": variant.fuse}
-    work = staging / ".work" / variant.name
-    with log.step("optimize and check against the export"):
-        graph, optimized = optimize(exported, variant.target, variant.fuse, work / "optimized")
-    log.note(f"optimize: {optimized['nodes_before']} -> {optimized['nodes_after']} nodes; "
-             + ", ".join(f"{k} {v}" for k, v in optimized["rules"].items()))
-    for rule, why in optimized["unmatched"].items():
-        log.note(f"  {rule} not applied: {why}")
-    report: dict[str, Any] = {"optimize": optimized}
-    gates = (variant.gates or recipe.validate_.gates).model_dump(exclude_none=True)
-    if variant.quantize and variant.quantize.exclude == "auto":
-        variant, report["exclude_auto"] = _auto_exclude(variant, graph, data, reference, gates, work, log)
-    if variant.quantize or variant.precision != "fp32":
-        calibration = data.calibration[variant.name]
-        with log.step("quantize"):
-            optimized_graph = graph
-            graph, report["quantize"] = quantize(graph, variant, calibration, work / "quantized")
-            check_finite(graph, calibration, variant.name)
-        with log.step("layerwise error against fp32"):
-            report["layerwise"] = residual_errors(optimized_graph, graph, calibration)
-        _note_layerwise(report["layerwise"], log)
-        _drop_superseded(optimized_graph, graph)
-    if variant.target == Target.ONNXRUNTIME and variant.fuse:
-        with log.step("pack_matmuls"):
-            unpacked = graph
-            graph, packed = pack(graph, work / "packed")
-            _drop_superseded(unpacked, graph)
-        optimized["rules"][pack_matmuls.NAME] = packed
-        if packed:
-            log.note(f"pack_matmuls: {packed} MatMuls joined their siblings (q/k/v, gate/up), {graph.node_count} nodes")
-        else:
-            optimized["unmatched"][pack_matmuls.NAME] = "no two MatMuls read one activation with weights of their own"
-        with log.step("rotary into attention"):
-            unfolded = graph
-            exact = not variant.quantize and variant.precision == "fp32"
-            graph, folded = fold_rotary(graph, work / "folded", exact)
-            _drop_superseded(unfolded, graph)
-        if isinstance(folded, str):
-            optimized["rules"][rotary_in_attention.NAME] = 0
-            optimized["unmatched"][rotary_in_attention.NAME] = folded
-        else:
-            optimized["rules"][rotary_in_attention.NAME] = folded
-            log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, {graph.node_count} "
-                     f"nodes (the unfolded graph kept for onnxruntime-genai: {GENAI_MODEL_FILE})")
-    activations = variant.quantize.kernel_activations if variant.quantize else "int8"
-    kernels, kernels_why = _kernel_graph(graph, work / "kernels", variant.kv_cache, activations) \
-        if variant.target == Target.ONNXRUNTIME else (None, "not an onnxruntime variant")
-    if kernels is not None and variant.kv_cache == "float16" and kernels.interface["inputs"][3]["dtype"] != "float16":
-        log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's kernel's, "
-                 "or another node reads the cache); the kernels' graph keeps an fp32 cache")
-    if variant.target == Target.TENSORRT:  # validated below exactly as the engine will be driven
-        graph = dataclasses.replace(graph, interface=engine_interface(graph.interface))
-
-    def against_eager(backend: Any, stem: str, runs_on: str) -> dict[str, Any]:
-        """The same A/B report compare-model writes, eager torch as A: reports/<stem>.{json,md,html}."""
-        candidate = dataclasses.replace(eager, label=f"{recipe.name}:{variant.name}", backend=backend,
-                                        description=f"{variant.name} ({_describe(variant)}), {runs_on}")
-        comparison = assemble(eager, candidate, data.inputs, data.prompts, gates,
-                              measure(backend, data.inputs, reference, into=work / "logits"))
-        shutil.rmtree(work / "logits")
-        for where in ("exclude_auto", "layerwise"):  # where the accuracy went, beside what it came to
-            if where in report:
-                comparison[where] = report[where]
-        write_report(comparison, staging / "reports", stem=stem)
-        return comparison
-
-    release_freed_memory()  # what the last stage's sessions freed, before this one loads the weights
-    with log.step("accuracy against eager"):
-        backend = OnnxRuntimeBackend(graph.model_path, graph.interface)
-        comparison = against_eager(backend, variant.name, "ONNX Runtime CPU")
-        backend.close()  # before the memory measurement's process loads the graph again
-    release_freed_memory()
-    metrics, failures = comparison["summary"], comparison["failed_gates"]
-    required = variant.cpu_kernels == "required"
-    log.note(f"accuracy: perplexity {metrics['perplexity_change']:+.2%}, top-1 {metrics['top1_agreement']:.3f}, "
-             f"greedy match {metrics['greedy_match']:.2f}, max |logit error| {metrics['max_logit_error']:.3g}"
-             + (f"; {'missed (not gated: cpu_kernels required)' if required else 'FAILED'} {', '.join(failures)}"
-                if failures else ""))
-    kernel_summary: dict[str, Any] = {}
-    kernel_failures: list[str] = []
-    report["cpu_kernels"] = {"nodes": kernels_why if kernels is not None else 0}
-    if kernels is not None:  # measured also where model.onnx failed: whether the kernels' graph would pass
-        kernel_summary, kernels_why, kernel_failures = _kernel_accuracy(variant, kernels, against_eager, log)
-        if not kernel_summary:
-            shutil.rmtree(kernels.folder)
-    if not kernel_summary:
-        report["cpu_kernels"]["why_not"] = kernels_why
-    model_failures: list[str] = []
-    if required:  # the kernels' graph decides; model.onnx's misses are recorded, and the runtime never runs it
-        model_failures = failures
-        failures = [] if kernel_summary else [f"{f} on Kiln's CPU kernels" for f in kernel_failures] or [
-            f"cpu_kernels required, but no graph for them passed or was measured: {str(kernels_why).splitlines()[0]}"]
-    folder = staging / "variants" / variant.name
-    folder.mkdir(parents=True)
-    for name in graph.files:
-        os.replace(graph.folder / name, folder / name)
-    if kernel_summary:  # its graph and its packed weights; the rest it reads from the variant's own file
-        os.replace(kernels.model_path, folder / KERNEL_MODEL_FILE)
-        packed = [KERNEL_DATA_FILE] if KERNEL_DATA_FILE in kernels.files else []  # none: no packed weights
-        for name in packed:
-            os.replace(kernels.folder / name, folder / name)
-        shutil.rmtree(kernels.folder)
-        graph = dataclasses.replace(graph, files=[*graph.files, KERNEL_MODEL_FILE, *packed])
-        kernel_summary["kernel_model"] = f"variants/{variant.name}/{KERNEL_MODEL_FILE}"
-        if kernels.interface.get("prefill") == "batched":
-            kernel_summary["kernel_prefill"] = "batched"
-        if kernels.interface["inputs"][3]["dtype"] != graph.interface["inputs"][3]["dtype"]:
-            kernel_summary["kernel_kv_cache"] = kernels.interface["inputs"][3]["dtype"]
-        if "activations" in kernels.interface:
-            kernel_summary["kernel_activations"] = kernels.interface["activations"]
-    write_json(folder / "report.json", report)
-    files = [f"variants/{variant.name}/{name}" for name in graph.files]
-    summary = {"node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
-               "fusions": optimized["rules"], "fusions_not_applied": optimized["unmatched"], "gates": gates,
-               "accuracy": metrics, "report": f"variants/{variant.name}/report.json",
-               "comparison": f"reports/{variant.name}.html"}
-    if GENAI_MODEL_FILE in graph.files:
-        summary["genai_model"] = f"variants/{variant.name}/{GENAI_MODEL_FILE}"
-    summary.update(kernel_summary)
-    if required:
-        summary["cpu_kernels"] = "required"
-        if model_failures:
-            summary["model_failed_gates"] = model_failures
-    if variant.target == Target.ONNXRUNTIME:  # engines hold their memory on the GPU: not measured here
-        with log.spinner("measuring memory in a fresh process"):
-            # Of the graph a CPU host runs: the kernels' where it has them (their packed weights added).
-            served, interface = (KERNEL_MODEL_FILE, kernels.interface) if kernel_summary else \
-                (graph.files[0], graph.interface)
-            summary["memory"] = measure_in_subprocess(folder / served, interface, recipe.export.max_context)
-        memory = summary["memory"]
-        log.note(f"memory: weights {memory['weights_bytes'] / 2**20:.0f} MiB resident, baseline "
-                 f"{memory['baseline_bytes'] / 2**20:.0f} MiB, prefill activations "
-                 f"{memory['activation_bytes_per_token'] / 1024:.1f} KiB a token + "
-                 f"{memory['activation_bytes_per_pair']:.0f} B a token x slot")
-    if failures:
-        return {**entry, **summary, "status": "failed", "failed_gates": failures}
-    if variant.target == Target.TENSORRT:
-        return {**entry, **summary, **_engine(variant, graph, folder, recipe, base, log, against_eager)}
-    return {**entry, **summary, "status": "built"}
-
-
-def _kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str,
-                  activations: str) -> tuple[OnnxArtifact | None, int | str]:
-    """kernel_graph, where a failure costs the variant only the kernels' graph (and is said why)."""
-    try:
-        return kernel_graph(graph, folder, kv_cache, activations)
-    except Exception as error:  # noqa: BLE001 - an optional second graph: the variant ships without it
-        shutil.rmtree(folder, ignore_errors=True)
-        return None, f"the graph for them could not be written: {type(error).__name__}: {error}"
-
-
-def _kernel_accuracy(variant: Variant, kernels: OnnxArtifact, against_eager: Any,
-                     log: StageLog) -> tuple[dict[str, Any], str, list[str]]:
-    """The graph for Kiln's CPU kernels measured against eager as the variant's graph was, under the same
-    gates: its manifest keys where it passes, else nothing and why not; and the gates it missed. It is not
-    held to fp32's tolerance against the variant's graph (compiler/optimize.py, kernel_graph)."""
-    from runtime.cpu_kernels import library
-
-    path, why = library()
-    if path is None:
-        log.note(f"cpu kernels: not run on this machine ({why}); the variant ships without their graph")
-        return {}, f"not measured: the build machine cannot run them ({why})", []
-    stem = f"{variant.name}+kernels"  # "+" is in no variant's name: no other report can be called this
-    with log.step("accuracy against eager, Kiln's CPU kernels"):
-        try:
-            backend = OnnxRuntimeBackend(kernels.model_path, kernels.interface, kernels=path)
-        except Exception as error:  # noqa: BLE001 - ONNX Runtime refused the graph: the variant ships without it
-            log.note(f"cpu kernels: ONNX Runtime could not load their graph ({error}); the variant ships without it")
-            return {}, f"ONNX Runtime could not load the graph: {error}", []
-        comparison = against_eager(backend, stem, "ONNX Runtime CPU with Kiln's kernels")
-        backend.close()
-    release_freed_memory()
-    metrics, failures = comparison["summary"], comparison["failed_gates"]
-    log.note(f"cpu kernels: perplexity {metrics['perplexity_change']:+.2%}, top-1 "
-             f"{metrics['top1_agreement']:.3f}, greedy match {metrics['greedy_match']:.2f}"
-             + (f"; FAILED {', '.join(failures)}" + (": the variant fails (cpu_kernels required)"
-                                                      if variant.cpu_kernels == "required"
-                                                      else ": the variant ships without their graph")
-                if failures else ""))
-    if failures:
-        return {}, f"failed {', '.join(failures)} against eager", failures
-    return {"kernel_accuracy": metrics, "kernel_comparison": f"reports/{stem}.html"}, "", []
-
-
-def _note_layerwise(records: list[dict[str, Any]], log: StageLog) -> None:
-    if not records:
-        log.note("layerwise error: no residual stream points named in this graph (skip norms: fuse is off)")
-        return
-    log.note(f"layerwise error: {layerwise_ends(records)}; most added by {largest_additions(records)}")
-
-
-def _drop_superseded(old: OnnxArtifact, new: OnnxArtifact) -> None:
-    """Delete a variant's graph that a later step has rewritten into a folder of its own, so a variant
-    holds at most the graph it reads and the one it writes on disk (predicted_compile_disk)."""
-    if new.folder != old.folder:
-        shutil.rmtree(old.folder)
-
-
-def _auto_exclude(variant: Variant, graph: OnnxArtifact, data: ValidationData, reference: Run,
-                  gates: dict[str, float], work: Path, log: StageLog) -> tuple[Variant, dict[str, Any]]:
-    """`quantize.exclude: auto` -> the variant with the module groups kept (in fp32, or in finer blocks with
-    exclude_block_size) that lightest_kept finds meet its gates (compiler/sensitivity.py), and the
-    sensitivity table and attempts behind that choice. The table is only measured when everything
-    quantized misses a gate."""
-    calibration = data.calibration[variant.name]
-    finer = variant.quantize.exclude_block_size
-    kept_as = f"in blocks of {finer}" if finer else "in fp32"
-    groups = weight_groups(graph)
-    attempts: list[dict[str, Any]] = []
-    total = sum(sum(members.values()) for members in groups.values()) or 1
-
-    def attempt(kept: Sequence[dict[str, Any]]) -> bool:
-        candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])
-        built, _ = quantize(graph, candidate, calibration, work / "search" / "quantized")
-        if variant.target == Target.ONNXRUNTIME and variant.fuse:
-            built, _ = pack(built, work / "search" / "packed")
-        backend = OnnxRuntimeBackend(built.model_path, built.interface)
-        metrics = measure(backend, data.inputs, reference, into=work / "search" / "logits")["summary"]
-        backend.close()
-        shutil.rmtree(work / "search")
-        release_freed_memory()  # the attempt's graphs and session, before the next one builds its own
-        failures = failed_gates(metrics, gates)
-        share = weight_elements(kept) / total
-        attempts.append({"groups_kept": len(kept), "groups": [r["group"] for r in kept],
-                         "weights_kept": share, "top1_agreement": metrics["top1_agreement"],
-                         "perplexity_change": metrics["perplexity_change"], "failed_gates": failures})
-        verdict = f"missed {', '.join(failures)}" if failures else "passed"
-        log.note(f"  {len(kept)} of {len(groups)} groups {kept_as} ({share:.1%} of the MatMul weights): top-1 "
-                 f"{metrics['top1_agreement']:.3f}, perplexity {metrics['perplexity_change']:+.2%}; {verdict}")
-        return not failures
-
-    # Everything quantized first: one build and measurement, where the ranking below costs one per group.
-    with log.step("all quantized"):
-        if attempt([]):
-            log.note(f"exclude: auto: every group quantized meets the gates; none kept {kept_as}, no ranking "
-                     "measured")
-            return with_exclude(variant, []), {"sensitivity": [], "attempts": attempts, "kept_as": kept_as,
-                                               "groups_kept": [], "weights_kept": 0.0, "met_gates": True}
-    with log.step("sensitivity"), log.bar("module groups quantized alone", total=len(groups)) as advance:
-        ranking = layer_sensitivity(graph, variant, groups, calibration, data.inputs.pad_id, work / "alone",
-                                    on_group=advance)
-    log.note("sensitivity, most sensitive first (KL from fp32 with that group alone quantized, calibration "
-             "prompts): " + ", ".join(f"{r['group']} {r['kl_divergence']:.2g}" for r in ranking[:6]))
-
-    with log.step("search"):  # none kept was the first attempt, and failed
-        kept = lightest_kept(ranking, lambda groups: bool(groups) and attempt(groups))
-    if kept is None:
-        log.note(f"exclude: auto: the gates are missed even with all {len(ranking)} groups {kept_as}; building "
-                 "with none kept, so the gates report what quantizing costs")
-    met_gates, kept = kept is not None, kept or []
-    return (with_exclude(variant, [m for r in kept for m in r["modules"]]),
-            {"sensitivity": ranking, "attempts": attempts, "kept_as": kept_as,
-             "groups_kept": [r["group"] for r in kept], "weights_kept": weight_elements(kept) / total,
-             "met_gates": met_gates})
-
-
-def _engine(variant: Variant, graph: OnnxArtifact, folder: Path, recipe: Recipe, base: Path, log: StageLog,
-            against_eager: Any) -> dict[str, Any]:
-    """Build the variant's engine beside its graph and hold the engine itself to the gates
-    (reports/<variant>-engine.*), or record why this host cannot build it."""
-    ranges = variant.profiles or default_profiles(recipe.export.max_context)
-    profiles = engine_profiles(ranges, graph.interface)
-    write_json(folder / PROFILES_FILE, profiles)
-    spec = variant.engine or EngineSpec()
-    cache = resolve_path(base, spec.timing_cache) if spec.timing_cache else None
-    try:
-        with log.spinner("building the TensorRT engine"):
-            engine = build_engine(folder / graph.files[0], profiles, spec, cache, folder)
-    except EngineUnavailable as exc:
-        log.note(f"engine skipped: {exc}")
-        return {"status": "skipped", "reason": str(exc), "profiles": ranges.model_dump()}
-    log.note(f"engine built in {engine['build_seconds']} s on {engine['gpu']} (TensorRT {engine['tensorrt_version']})")
-    facts = {**engine, "file": f"variants/{variant.name}/{engine['file']}"}
-    backend = open_backend(folder.parents[1], {"engine": facts, "interface": graph.interface})
-    comparison = against_eager(backend, f"{variant.name}-engine", f"TensorRT engine on {engine['gpu']}")
-    built = {"engine": facts, "profiles": ranges.model_dump(), "engine_accuracy": comparison["summary"]}
-    if comparison["failed_gates"]:
-        log.note(f"engine FAILED {', '.join(comparison['failed_gates'])}")
-        return {**built, "status": "failed", "failed_gates": comparison["failed_gates"]}
-    return {**built, "status": "built"}
 
 
 def _source_section(checkpoint: Checkpoint) -> dict[str, Any]:
