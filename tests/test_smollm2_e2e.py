@@ -156,20 +156,25 @@ def test_memory_plan_holds_for_a_real_run(smollm2_artifact):
 
 def test_compare_reports_of_the_real_model(smollm2_artifact, tmp_path):
     """The compile's validate stage wrote an A/B report per variant; compare-model gates one artifact
-    variant against another (no torch involved) and fails the gate int8 cannot meet."""
+    variant against another (no torch involved): a gate of top-1 1.0 fails exactly where its report says
+    int8 picks another token somewhere (not a threshold that an int8 improving past it would break)."""
     fp32 = json.loads((smollm2_artifact / "reports" / "cpu-fp32.json").read_text())
     assert fp32["passed"] and fp32["summary"]["greedy_match"] == 1.0 and fp32["a"]["label"].startswith("eager:")
     assert "PASS" in (smollm2_artifact / "reports" / "cpu-fp32.html").read_text()
     result = subprocess.run([sys.executable, "-c", "from compiler.cli import compare_main; compare_main()",
                              f"{smollm2_artifact}:cpu-fp32",
-                             f"{smollm2_artifact}:cpu-int8", "--gate", "top1_agreement=0.99", "--gate",
+                             f"{smollm2_artifact}:cpu-int8", "--gate", "top1_agreement=1.0", "--gate",
                              "perplexity_change=0.05", "--speed-repeats", "1", "--report", str(tmp_path)],
                             cwd=ROOT, capture_output=True, text=True)
-    assert result.returncode == 1, result.stderr[-2000:]
-    assert "compare-model: gate failed: top1_agreement" in result.stderr
     report = json.loads((tmp_path / "report.json").read_text())
-    assert [g.split()[0] for g in report["failed_gates"]] == ["top1_agreement"]
-    assert 0.9 < report["summary"]["top1_agreement"] < 0.99
+    top1 = report["summary"]["top1_agreement"]
+    assert 0.9 < top1 <= 1.0 and abs(report["summary"]["perplexity_change"]) < 0.05
+    if top1 < 1.0:
+        assert result.returncode == 1, result.stderr[-2000:]
+        assert "compare-model: gate failed: top1_agreement" in result.stderr
+        assert [g.split()[0] for g in report["failed_gates"]] == ["top1_agreement"]
+    else:
+        assert result.returncode == 0 and report["failed_gates"] == [], result.stderr[-2000:]
 
 
 def test_ship_the_real_model(smollm2_artifact, tmp_path):

@@ -318,10 +318,10 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
         if sigmoid is not None:  # (a Split of packed attention projections is not one)
             silu = readers[sigmoid.output[0]][0]
             swiglus.append((split, sigmoid, silu, readers[silu.output[0]][0]))
-    library = cpu_kernels.library()[0]
+    library, why = cpu_kernels.library()
     if library is None:
         assert "kernel_model" not in entry
-        return
+        pytest.skip(f"the kernels' graph is checked where Kiln's CPU kernels run: {why}")
     assert matmuls
     assert entry["kernel_model"] == "variants/cpu-fp32/model_kernels.onnx"
     assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry["files"]  # no packed weights

@@ -185,7 +185,7 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     library, why = cpu_kernels.library()
     if library is None:
         assert "kernel_model" not in entry and report["why_not"].endswith(f"({why})")
-        return
+        pytest.skip(f"the kernels' graph is checked where Kiln's CPU kernels run: {why}")
     assert entry["kernel_model"] == "variants/cpu-int8/model_kernels.onnx" and entry["kernel_model"] in entry["files"]
     assert entry["kernel_accuracy"]["top1_agreement"] >= entry["gates"].get("top1_agreement", 0)
     assert (quantized / entry["kernel_comparison"]).is_file()
@@ -530,9 +530,11 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
     from compiler.optimize import kernel_graph
     from runtime import cpu_kernels
 
-    library = cpu_kernels.library()[0]
-    if bits == 8 or library is None:
-        return
+    library, why = cpu_kernels.library()
+    if bits == 8:
+        return  # the 8-bit kernel takes MatMulNBits' own numbers: no correction nodes to fold
+    if library is None:
+        pytest.skip(f"the 4-bit kernel's graph is checked where Kiln's CPU kernels run: {why}")
     (tmp_path / "graph").mkdir()
     onnx.save(model, str(tmp_path / "graph" / "model.onnx"))
     built, count = kernel_graph(OnnxArtifact(tmp_path / "graph", {}, None, 0, ["model.onnx"]), tmp_path / "kernels")

@@ -5,6 +5,7 @@ machine cannot run them."""
 from __future__ import annotations
 
 import ctypes
+import os
 
 import numpy as np
 import onnxruntime as ort
@@ -87,6 +88,26 @@ def test_weights_not_packed_in_the_graph_are_refused_in_one_line(fed):
     expected = "W must be an initializer" if fed == "at run time" else "W is not K x N weights in this kernel's layout"
     with pytest.raises(Exception, match=expected):
         ort.InferenceSession(model.SerializeToString(), options, providers=["CPUExecutionProvider"])
+
+
+def _cpu_flags() -> set[str]:
+    with open("/proc/cpuinfo") as cpuinfo:
+        return next((set(line.split(":", 1)[1].split()) for line in cpuinfo if line.startswith("flags")), set())
+
+
+def test_the_library_is_built_on_every_cpu_that_runs_it():
+    """Where the CPU has AVX-512 VNNI on x86-64 and a C compiler is here (the suite's set-up installs Kiln
+    with it), a missing library is a broken install, not a reason for the kernel tests to skip."""
+    import platform
+    import shutil
+
+    if os.environ.get(cpu_kernels.DISABLE_VARIABLE) == "0":
+        pytest.skip("KILN_CPU_KERNELS=0: the kernels are turned off, as on a CPU without them")
+    if platform.machine() != "x86_64" or "avx512_vnni" not in _cpu_flags():
+        pytest.skip(f"this CPU ({platform.machine()}) has no AVX-512 VNNI: the kernels do not run here")
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: Kiln installs without its kernels")
+    assert LIBRARY is not None, f"Kiln's CPU kernels should run on this CPU but do not: {WHY_NOT}"
 
 
 def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):

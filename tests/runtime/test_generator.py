@@ -211,6 +211,31 @@ def test_fused_graph_decodes_exactly_like_the_unfused_one(tiny_artifacts, family
     assert [len(r.token_ids) for r in fused] == [3, 12, 7, 9]
 
 
+def test_lone_row_detection_compares_a_row_alone_with_the_same_row_beside_a_copy(tiny_artifacts, monkeypatch):
+    """lone_row_differs on a real session: Kiln's kernels give a row the same numbers alone and batched;
+    a session whose lone row comes out one ulp off (as ONNX Runtime's 4-bit MatMulNBits did on an AMD EPYC
+    without AVX-512) is caught."""
+    from runtime import cpu_kernels
+
+    backend = Generator.load(tiny_artifacts["llama"], threads=2).backend
+    if cpu_kernels.library()[0] is not None:
+        assert backend.lone_row_differs() is False and backend.min_rows == 1
+    session, run = backend.session, backend.session.run_with_iobinding
+
+    def lone_row_off_by_an_ulp(binding, *args):
+        run(binding, *args)
+        logits = next(c.logits for c in caches if c.binding is binding)
+        if len(logits) == 1:
+            logits[0, 0, 0] = np.nextafter(logits[0, 0, 0], np.inf)
+
+    caches = []
+    real_cache = backend._run_in_place
+    monkeypatch.setattr(backend, "_run_in_place", lambda ids, mask, positions, cache: (
+        caches.append(cache), real_cache(ids, mask, positions, cache))[1])
+    monkeypatch.setattr(session, "run_with_iobinding", lone_row_off_by_an_ulp, raising=False)
+    assert backend.lone_row_differs() is True
+
+
 def test_lone_rows_run_beside_a_spare_with_the_same_numbers(tiny_artifacts, monkeypatch):
     """Where a CPU's kernels give a row alone other numbers than the same row batched, the backend finds
     out on load (min_rows = 2) and never runs a lone row (runtime/backends/onnxruntime.py, lone rows). Forced here
@@ -220,9 +245,11 @@ def test_lone_rows_run_beside_a_spare_with_the_same_numbers(tiny_artifacts, monk
     from runtime.backends.onnxruntime import OnnxRuntimeBackend
 
     plain = Generator.load(tiny_artifacts["llama"], threads=2)
+    differs = OnnxRuntimeBackend.lone_row_differs
+    monkeypatch.setattr(OnnxRuntimeBackend, "lone_row_differs", lambda self: True)  # as on such a CPU
     spare = Generator.load(tiny_artifacts["llama"], threads=2)
-    assert isinstance(plain.backend.lone_row_differs(), bool)
-    spare.backend.min_rows = 2
+    monkeypatch.setattr(OnnxRuntimeBackend, "lone_row_differs", differs)
+    assert spare.backend.min_rows == 2 and plain.backend.min_rows == 1 + differs(plain.backend)
     used = {"dummy": 0, "scratch": 0}
     dummy, scratch = OnnxRuntimeBackend._beside_dummy, OnnxRuntimeBackend._run_lone_row
     monkeypatch.setattr(OnnxRuntimeBackend, "_beside_dummy", staticmethod(

@@ -57,7 +57,8 @@ def test_genai_batch_of_prompts_of_different_lengths_gets_each_rows_own_tokens(t
     from compiler.families import shapes_of
 
     if shapes_of(AutoConfig.from_pretrained(tiny_checkpoints[family])).sliding_window:
-        return
+        pytest.skip(f"{family} has a sliding window: onnxruntime-genai's batched rows step outside the window's "
+                    "slots (a known limit, docs/interop.md)")
     generator = Generator.load(tiny_artifacts[family], "cpu-fp32")
     prompts = [generator.encode(p) for p in PROMPTS]
     alone = [r.token_ids for r in generator.generate(prompts, SamplingParams(max_new_tokens=NEW_TOKENS))]

@@ -283,7 +283,11 @@ def test_hash_cache_skips_unchanged_files_and_catches_changed_ones(tiny_artifact
     config.write_text(config.read_text().replace("0", "1", 1))
     with pytest.raises(ArtifactError, match="generation_config.json (has the wrong size|fails its sha256)"):
         Artifact.open(folder)
-    Generator.load(tiny_artifacts["gpt2"], verify=False)  # the trusted-host escape (run-model --no-verify)
+    # The trusted-host escape (run-model --no-verify) loads the changed copy as it is, and runs it.
+    trusted = Generator.load(folder, verify=False)
+    assert trusted.artifact.generation_config == json.loads(config.read_text()) != \
+        Artifact.open(tiny_artifacts["gpt2"]).generation_config
+    assert trusted.generate(["Hello"], SamplingParams(max_new_tokens=2))[0].error is None
 
 
 # -- found in review: each was a way through, now refused ----------------------------------------
