@@ -320,6 +320,61 @@ class Service:
             raise ApiError(400, str(exc), param) from None
 
 
+MAX_BODY_BYTES = 10 * 2**20  # a request body past this is refused (413) before it is read whole or parsed
+
+
+class BodyLimit:
+    """ASGI middleware: a body over `limit` bytes is a 413 in OpenAI's error shape, said from its
+    Content-Length before a byte of it is read, or as soon as a body without one (chunked) passes the
+    limit; at most `limit` bytes are ever held."""
+
+    def __init__(self, app: Any, limit: int = MAX_BODY_BYTES, on_refuse: Any = None) -> None:
+        self.app, self.limit, self.on_refuse = app, limit, on_refuse  # on_refuse(status): the metrics' count
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            return await self._refuse(send, int(length))
+        if length is not None:
+            return await self.app(scope, receive, send)
+        chunks, size, more = [], 0, True
+        while more:  # no length given: read it here, up to the limit, then hand it on
+            message = await receive()
+            if message["type"] != "http.request":
+                return await self.app(scope, _replay([message]), send)
+            chunks.append(message)
+            size += len(message.get("body", b""))
+            more = message.get("more_body", False)
+            if size > self.limit:
+                return await self._refuse(send, None)
+        return await self.app(scope, _replay(chunks, receive), send)
+
+    async def _refuse(self, send: Any, length: int | None) -> None:
+        said = f"{length:,} bytes" if length is not None else "more than that"
+        error = ApiError(413, f"the request body is {said}; this server takes at most {self.limit:,} bytes",
+                         kind="invalid_request_error")
+        if self.on_refuse is not None:
+            self.on_refuse(413)
+        body = json.dumps(error.body()).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _replay(messages: list[dict], then: Any = None) -> Any:
+    """A receive() that gives these messages first, then the real receive's (a disconnect, say)."""
+    pending = list(messages)
+
+    async def receive() -> dict:
+        if pending:
+            return pending.pop(0)
+        return await then() if then is not None else {"type": "http.disconnect"}
+
+    return receive
+
+
 def create_app(service: Service) -> Any:
     from contextlib import asynccontextmanager
 
@@ -331,6 +386,7 @@ def create_app(service: Service) -> Any:
             service.loop.close()
 
     app = FastAPI(title="Kiln", lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.add_middleware(BodyLimit, on_refuse=service.metrics.reject)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, exc: ApiError) -> JSONResponse:

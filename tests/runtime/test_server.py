@@ -433,3 +433,35 @@ def test_serve_refuses_bad_input_in_one_line(serve_artifact, tmp_path):
         busy = serve(str(serve_artifact), "--port", str(taken.getsockname()[1]))
     assert busy.returncode == 2 and busy.stderr.startswith("kiln serve: error: cannot listen on 127.0.0.1:")
     assert len(busy.stderr.strip().splitlines()) == 1
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(server):
+    """Said from Content-Length, with the body never sent; a chunked body without a length is cut off at
+    the limit; both counted as rejected; a body under the limit is answered."""
+    import http.client
+
+    from runtime.server import MAX_BODY_BYTES
+
+    host, port = server.url.removeprefix("http://").split(":")
+    before = server.metrics().get("kiln:request_rejected_total{status=413}", 0)
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    connection.putrequest("POST", "/v1/completions")
+    for header, value in (("Content-Type", "application/json"), ("Authorization", f"Bearer {KEY}"),
+                          ("Content-Length", str(MAX_BODY_BYTES + 1))):
+        connection.putheader(header, value)
+    connection.endheaders()  # and no body: the answer must not wait for one
+    response = connection.getresponse()
+    body = json.loads(response.read())
+    assert response.status == 413 and "at most 10,485,760 bytes" in body["error"]["message"]
+    connection.close()
+    connection = http.client.HTTPConnection(host, int(port), timeout=30)
+    chunk = json.dumps({"model": MODEL, "prompt": "x " * (MAX_BODY_BYTES // 2 + 1000)}).encode()
+    connection.request("POST", "/v1/completions", body=iter([chunk[:len(chunk) // 2], chunk[len(chunk) // 2:]]),
+                       headers={"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"},
+                       encode_chunked=True)
+    response = connection.getresponse()
+    assert response.status == 413 and "more than that" in json.loads(response.read())["error"]["message"]
+    connection.close()
+    assert server.metrics()["kiln:request_rejected_total{status=413}"] - before == 2
+    code, _, answer = server.post("/v1/completions", {"model": MODEL, "prompt": "x", "max_tokens": 1})
+    assert code == 200, answer
