@@ -57,7 +57,7 @@ class ValidationData:
 class VariantBuild:
     """One variant on its way from the export to its manifest entry: what every step reads and adds to."""
 
-    variant: Variant
+    variant: Variant  # as the recipe asks for it, until exclude: auto names the modules it keeps
     graph: OnnxArtifact  # the variant's graph as the last step left it
     staging: Path
     data: ValidationData
@@ -76,6 +76,10 @@ class VariantBuild:
     kernel_entry: dict[str, Any] = field(default_factory=dict)  # the kernels' graph's manifest keys
     folder: Path | None = None  # variants/<variant>/ in the staging folder
     entry: dict[str, Any] = field(default_factory=dict)  # the manifest entry
+    asked: Variant | None = None  # the recipe's variant, as its manifest entry records it
+
+    def __post_init__(self) -> None:
+        self.asked = self.asked or self.variant
 
     @property
     def work(self) -> Path:
@@ -220,7 +224,8 @@ def kernels_step(build: VariantBuild) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         build.kernels_why = f"the graph for them could not be written: {type(error).__name__}: {error}"
         return
-    if variant.kv_cache == "float16" and build.kernels.interface["inputs"][3]["dtype"] != "float16":
+    if build.kernels is not None and variant.kv_cache == "float16" \
+            and build.kernels.interface["inputs"][3]["dtype"] != "float16":
         build.log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's "
                        "kernel's, or another node reads the cache); the kernels' graph keeps an fp32 cache")
 
@@ -293,9 +298,9 @@ def files_step(build: VariantBuild) -> None:
 def entry_step(build: VariantBuild) -> None:
     variant, graph, name = build.variant, build.graph, build.variant.name
     files = [f"variants/{name}/{file}" for file in graph.files]
-    entry = build.entry
-    entry.update({"target": variant.target, "precision": variant.precision,
-                  "quantize": variant.quantize.model_dump() if variant.quantize else None, "fuse": variant.fuse,
+    entry, asked = build.entry, build.asked  # quantize as the recipe says it (exclude: auto, not what it found)
+    entry.update({"target": asked.target, "precision": asked.precision,
+                  "quantize": asked.quantize.model_dump() if asked.quantize else None, "fuse": asked.fuse,
                   "node_count": graph.node_count, "interface": graph.interface, "files": files, "model": files[0],
                   "fusions": build.optimized["rules"], "fusions_not_applied": build.optimized["unmatched"],
                   "gates": build.gates, "accuracy": build.metrics, "report": f"variants/{name}/report.json",

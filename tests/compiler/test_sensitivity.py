@@ -95,6 +95,7 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
     assert [a["groups_kept"] for a in found["attempts"]] == [0, 1, 2, 4, 5]
     assert entry["status"] == "failed" and report["quantize"]["kept_fp32"] == []
     assert found["kept_as"] == "in fp32"
+    assert entry["quantize"]["exclude"] == "auto"  # the manifest records the recipe; the report what it found
 
     # Kept in finer blocks instead (exclude_block_size): the same ranking (each group alone, the rest in
     # fp32), the same prefixes tried, each measured with its kept groups quantized in blocks of 16.
