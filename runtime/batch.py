@@ -22,6 +22,7 @@ and the summary are the same code.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import json
 import os
@@ -453,21 +454,57 @@ def answered_ids(path: Path, fmt: str) -> tuple[set[Any], int]:
 
 
 class _Sink:
-    """An append-only JSONL file, flushed and fsynced on sync()."""
+    """An append-only JSONL file. Records are held until sync(), which writes them whole, then flushes and
+    fsyncs: what is on disk is always whole lines. A write the disk refuses (full, read-only, or the file
+    removed meanwhile) cuts the file back to its last whole line, and is one KilnError naming the file
+    and what is wrong; the rows it held are answered again on resume."""
 
     def __init__(self, path: Path, mode: str) -> None:
-        self.path, self.file = path, open(path, mode, encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.path = path
+        self.file = open(path, mode + "b", buffering=0)  # noqa: SIM115 - closed by close()
+        self.pending: list[bytes] = []
+        self.failed = False
 
     def write(self, record: dict[str, Any]) -> None:
-        self.file.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self.pending.append((json.dumps(record, ensure_ascii=False) + "\n").encode())
 
     def sync(self) -> None:
-        self.file.flush()
-        os.fsync(self.file.fileno())
+        if self.failed:
+            return
+        data, self.pending = b"".join(self.pending), []
+        descriptor = self.file.fileno()
+        whole = os.lseek(descriptor, 0, os.SEEK_END)
+        try:
+            if os.fstat(descriptor).st_nlink == 0:
+                raise FileNotFoundError(2, "removed while the job ran")
+            view = memoryview(data)
+            while view:
+                view = view[os.write(descriptor, view):]
+            os.fsync(descriptor)
+        except OSError as exc:
+            self.failed = True
+            why = self._why(exc, len(data))  # the free space before the cut gives some back
+            with contextlib.suppress(OSError):
+                os.ftruncate(descriptor, whole)  # no torn line: the file ends where the last sync left it
+            raise KilnError(why) from None
+
+    def _why(self, exc: OSError, size: int) -> str:
+        import errno
+        import shutil
+
+        reason = exc.strerror or str(exc)
+        if exc.errno == errno.ENOSPC:
+            with contextlib.suppress(OSError):
+                reason += (f" for {size:,} bytes of answers ({shutil.disk_usage(self.path.parent).free:,} bytes "
+                           "free there)")
+        return (f"cannot write {self.path}: {reason}; what finished before is in it, whole: make room (or put "
+                "the file back) and rerun the same command to resume")
 
     def close(self) -> None:
-        self.sync()
-        self.file.close()
+        try:
+            self.sync()
+        finally:
+            self.file.close()
 
 
 class Progress:
@@ -555,6 +592,7 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
     summary = Summary(skipped=sum(1 for key in scan.lines if key in done))
     progress = Progress(scan.rows - summary.skipped, progress_stream, progress_every)
     started, synced, since_sync = time.perf_counter(), time.perf_counter(), 0
+    finished = False
     try:
         for line, error in scan.unreadable:
             _record(errors, summary, failed_answer(scan.format, line, None, error), scan)
@@ -568,12 +606,24 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
                 errors.sync()
                 synced, since_sync = time.perf_counter(), 0
             progress.show(summary)
+        finished = True
     finally:
-        output.close()
-        errors.close()
+        _close(output, errors, quietly=not finished)  # a failure already on its way is the one to say
         summary.seconds = time.perf_counter() - started
         progress.show(summary, final=True)
     return summary
+
+
+def _close(*sinks: _Sink, quietly: bool) -> None:
+    """Sync and close every sink; the first that cannot be written is raised, unless `quietly`."""
+    failure = None
+    for sink in sinks:
+        try:
+            sink.close()
+        except KilnError as exc:
+            failure = failure or exc
+    if failure is not None and not quietly:
+        raise failure
 
 
 def _load_answerer(config: BatchConfig, fmt: str) -> Answerer:

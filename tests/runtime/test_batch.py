@@ -307,3 +307,56 @@ def test_ray_path_writes_what_the_local_path_writes(artifact, tmp_path, local_ra
     with pytest.raises(KilnError, match="line 123 holds a line break other than"):
         batch.run_job(replace(config, output=tmp_path / "split.jsonl"))
     assert not (tmp_path / "split.jsonl").exists()
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 64 KiB tmpfs of this test's own (root only), unmounted after it."""
+    import os
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    folder = tmp_path / "disk"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)
+
+
+def test_a_full_disk_stops_the_job_in_one_line_and_a_rerun_with_room_finishes_it(artifact, tmp_path, small_disk):
+    """The output's disk fills mid-job: one line naming the file and its free space, a non-zero exit, the
+    file cut back to whole lines; with room made, the same command answers the rest, each row once."""
+    source = write_jsonl(tmp_path / "in.jsonl", simple_rows(1500, max_tokens=2))
+    output = small_disk / "out.jsonl"
+    full = kiln_batch(artifact, source, output, "--chunk-rows", "100", "--threads", "1")
+    lines = full.stderr.strip().splitlines()
+    assert full.returncode != 0 and f"cannot write {output}: No space left on device" in lines[-1], full.stderr
+    assert "bytes free there" in lines[-1] and "Traceback" not in full.stderr
+    written = output.read_bytes()
+    assert written and written.endswith(b"\n")  # whole lines only: no torn one left behind
+    kept = {row["id"] for row in read_jsonl(output)}
+    assert 0 < len(kept) < 1500
+    subprocess.run(["mount", "-o", "remount,size=4m", str(small_disk)], check=True)
+    resumed = kiln_batch(artifact, source, output, "--threads", "1")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"{len(kept):,} skipped" in resumed.stderr
+    ids = [row["id"] for row in read_jsonl(output)]
+    assert sorted(ids) == sorted(row["id"] for row in read_jsonl(source)) and len(ids) == len(set(ids))
+
+
+def test_an_output_removed_while_the_job_runs_is_said_in_one_line(tmp_path):
+    """A sink whose file is removed (or whose folder is) after its last sync: the next sync says so,
+    instead of writing answers to a file no one can read."""
+    sink = batch._Sink(tmp_path / "out.jsonl", "a")
+    sink.write({"id": 1})
+    sink.sync()
+    (tmp_path / "out.jsonl").unlink()
+    sink.write({"id": 2})
+    with pytest.raises(KilnError, match="cannot write .*out.jsonl: removed while the job ran"):
+        sink.sync()
+    sink.close()  # once failed, closing neither writes nor raises
