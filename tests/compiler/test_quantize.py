@@ -203,13 +203,11 @@ def test_int8_ships_a_graph_for_kiln_cpu_kernels_measured_against_eager(quantize
     assert f"variants/cpu-int8/{cpu_kernels.KERNEL_DATA_FILE}" in entry["files"]
 
     assert Generator.load(quantized, "cpu-int8").backend.kernels == library
-    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert Generator.load(quantized, "cpu-int8").backend.kernels is None
-    finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
+    with monkeypatch.context() as patched:  # the caller's KILN_CPU_KERNELS comes back after it
+        patched.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
         cpu_kernels.library.cache_clear()
+        assert Generator.load(quantized, "cpu-int8").backend.kernels is None
+    cpu_kernels.library.cache_clear()
 
     mixed = manifest["variants"]["cpu-int8-mixed"]  # blocks of 64 and 16: the attention alone for the kernels
     mixed_ops = [(n.domain, n.op_type) for n in
@@ -304,9 +302,9 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
         export_folder(Artifact.open(folder), "int4-kernels", "genai", tmp_path / "genai")
     assert not (tmp_path / "genai").exists()
 
-    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
-    cpu_kernels.library.cache_clear()
-    try:
+    with monkeypatch.context() as patched:  # the caller's KILN_CPU_KERNELS comes back after it
+        patched.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
+        cpu_kernels.library.cache_clear()
         with pytest.raises(IncompatibleArtifact) as refused:
             Generator.load(folder, "int4-kernels")
         assert "runs only on Kiln's CPU kernels" in str(refused.value) and "KILN_CPU_KERNELS=0" in str(refused.value)
@@ -319,9 +317,7 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
             done = subprocess.run([sys.executable, "-m", *command], capture_output=True, text=True, env=off)
             assert done.returncode != 0 and "runs only on Kiln's CPU kernels" in done.stderr, done.stderr
             assert done.stderr.strip().count("\n") == 0
-    finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
-        cpu_kernels.library.cache_clear()
+    cpu_kernels.library.cache_clear()
 
 
 def test_metrics_on_known_arrays():
@@ -568,15 +564,13 @@ def test_quantized_rows_give_the_same_numbers_in_any_batch(quantized, variant, m
     and on MLAS's MatMulNBits with them turned off."""
     from runtime import cpu_kernels
 
-    if variant.endswith(" on MLAS"):
-        variant = variant.removesuffix(" on MLAS")
-        monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
-    cpu_kernels.library.cache_clear()
-    try:
-        generator = Generator.load(quantized, variant, threads=2)
-    finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE, raising=False)
+    with monkeypatch.context() as patched:  # the caller's KILN_CPU_KERNELS comes back after it
+        if variant.endswith(" on MLAS"):
+            variant = variant.removesuffix(" on MLAS")
+            patched.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
         cpu_kernels.library.cache_clear()
+        generator = Generator.load(quantized, variant, threads=2)
+    cpu_kernels.library.cache_clear()
     assert generator.backend.front_aligned
     assert generator.backend.rows_alike_in_prompts == (generator.backend.kernels is not None)  # prompts in one step
     rng = np.random.default_rng(3)

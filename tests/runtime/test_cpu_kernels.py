@@ -111,13 +111,12 @@ def test_the_library_is_built_on_every_cpu_that_runs_it():
 
 
 def test_kiln_cpu_kernels_0_turns_them_off(monkeypatch):
-    monkeypatch.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
-    cpu_kernels.library.cache_clear()
-    try:
-        assert cpu_kernels.library() == (None, "KILN_CPU_KERNELS=0")
-    finally:
-        monkeypatch.delenv(cpu_kernels.DISABLE_VARIABLE)
+    """Turned off for a block, then back as the caller had it (a suite run with KILN_CPU_KERNELS=0 too)."""
+    with monkeypatch.context() as patched:
+        patched.setenv(cpu_kernels.DISABLE_VARIABLE, "0")
         cpu_kernels.library.cache_clear()
+        assert cpu_kernels.library() == (None, "KILN_CPU_KERNELS=0")
+    cpu_kernels.library.cache_clear()
     assert cpu_kernels.library() == (LIBRARY, WHY_NOT)
 
 
