@@ -23,9 +23,11 @@ and the summary are the same code.
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import os
+import shutil
 import sys
 import time
 import uuid
@@ -489,9 +491,6 @@ class _Sink:
             raise KilnError(why) from None
 
     def _why(self, exc: OSError, size: int) -> str:
-        import errno
-        import shutil
-
         reason = exc.strerror or str(exc)
         if exc.errno == errno.ENOSPC:
             with contextlib.suppress(OSError):

@@ -170,7 +170,7 @@ class Engine:
     def has_work(self) -> bool:
         with self._lock:
             pending = bool(self._inbox or self._aborts)
-        return pending or bool(self.waiting) or self.prefill is not None or self._live_rows() > 0
+        return pending or bool(self.waiting) or self.prefill is not None or self.scheduler.live_rows() > 0
 
     def stats(self) -> dict[str, int]:
         """For metrics: sequences running, requests waiting, rows in the batch, KV slots used and held."""
@@ -180,7 +180,7 @@ class Engine:
             inbox = len(self._inbox)
         prefilling = sum(r.params.rows for r in prefill.requests) if prefill else 0
         slots = (batch.cache.capacity or batch.width) if batch else 0
-        return {"running": self._live_rows() + prefilling, "waiting": len(self.waiting) + inbox,
+        return {"running": self.scheduler.live_rows() + prefilling, "waiting": len(self.waiting) + inbox,
                 "batch_rows": rows, "kv_slots_used": int(batch.lengths.sum()) if batch else 0,
                 "kv_slots_allocated": rows * slots}
 
@@ -205,7 +205,7 @@ class Engine:
                 self.prefill = None
                 return [self.outputs.failed(self.outputs.new_sequence(r, i), describe(exc)) for r in group
                         for i in range(r.params.n)]
-        if self._live_rows():
+        if self.scheduler.live_rows():
             try:
                 return self._decode_step()
             except Exception as exc:  # noqa: BLE001
@@ -320,6 +320,3 @@ class Engine:
         for i in rows:
             self.scheduler.free(i)
         return events
-
-    def _live_rows(self) -> int:
-        return self.scheduler.live_rows()

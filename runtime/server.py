@@ -260,16 +260,15 @@ class Service:
 
     def __init__(self, config: ServeConfig, selection: Selection) -> None:
         self.config, self.selection = config, selection
-        artifact, self.entry = selection.artifact, selection.entry
-        self.artifact = artifact
-        self.model = config.model_name or artifact.manifest["name"]
+        self.artifact, self.entry = selection.artifact, selection.entry
+        self.model = config.model_name or self.artifact.manifest["name"]
         self.metrics = Metrics(self.model)
         self.loop: EngineLoop | None = None
         self.engine: Engine | None = None
         self.ready = False
         self.draining = False
         self.load_error: str | None = None
-        config = artifact.generation_config  # request fields left out take these, as vLLM does
+        config = self.artifact.generation_config  # request fields left out take these, as vLLM does
         self.defaults = {key: config[key] for key in GENERATION_DEFAULTS if isinstance(config.get(key), int | float)}
 
     def load(self) -> None:

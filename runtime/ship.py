@@ -223,16 +223,12 @@ def _check_signature(folder: Path, public_key: Path | None, require: bool) -> st
     return f"signature verified with {public_key.name}"
 
 
-# What `kiln verify` and `kiln install` print for each variant: the registry's answer of its backend kind.
-Fit = HostFit
-
-
-def host_fit(manifest: dict[str, Any]) -> list[Fit]:
+def host_fit(manifest: dict[str, Any]) -> list[HostFit]:
     """For every variant: what it needs from this host, what the host has, and whether it runs here."""
     return [variant_fit(name, entry, manifest) for name, entry in manifest["variants"].items()]
 
 
-def require_fit(fits: list[Fit], variant: str | None) -> None:
+def require_fit(fits: list[HostFit], variant: str | None) -> None:
     """Refuse unless `variant` (or, without one, any variant) runs on this host."""
     wanted = [f for f in fits if f.variant == variant] if variant else fits
     if variant and not wanted:
@@ -243,7 +239,8 @@ def require_fit(fits: list[Fit], variant: str | None) -> None:
         raise IncompatibleArtifact(f"no variant of the artifact runs on this host ({reasons})")
 
 
-def verify(path: Path, public_key: Path | None = None, require_signature: bool = False) -> tuple[list[str], list[Fit]]:
+def verify(path: Path, public_key: Path | None = None,
+           require_signature: bool = False) -> tuple[list[str], list[HostFit]]:
     """`kiln verify`: an artifact folder, or an archive unpacked (checked) into a temporary folder;
     returns the notes of what was checked and what each variant needs from this host."""
     if path.is_dir():

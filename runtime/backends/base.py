@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+CPU_PROVIDERS = ["CPUExecutionProvider"]  # what a backend runs on where no providers are asked for
+
 
 @dataclass(frozen=True)
 class Limits:

@@ -57,6 +57,7 @@ import numpy as np
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
 from .base import (
+    CPU_PROVIDERS,
     ClosesOnExit,
     HostFit,
     Limits,
@@ -68,7 +69,9 @@ from .base import (
     write_right_aligned,
 )
 
-# The oldest onnxruntime that runs a graph of each opset, and one with Kiln's fused contrib ops.
+# onnxruntime release that first runs each ONNX opset (its release notes). Graphs with contrib ops
+# (fused GroupQueryAttention, RMSNorm, rotary; MatMulNBits) need the oldest release they were run on:
+# onnxruntime-gpu 1.31.1, the gpu extra, ran the fused fp32, int8 and int4 graphs of 1.32 builds.
 MIN_ONNXRUNTIME_FOR_OPSET = {17: (1, 13), 18: (1, 14), 19: (1, 16), 20: (1, 17), 21: (1, 18)}
 MIN_ONNXRUNTIME_FOR_CONTRIB_OPS = (1, 31)
 
@@ -120,7 +123,7 @@ def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) 
         return None
     from .. import cpu_kernels
 
-    why = (cpu_kernels.library()[1] if (providers or ["CPUExecutionProvider"]) == ["CPUExecutionProvider"]
+    why = (cpu_kernels.library()[1] if (providers or CPU_PROVIDERS) == CPU_PROVIDERS
            else f"the providers asked for ({', '.join(providers or [])}) are not the CPU's")
     missed = (f"; its model.onnx missed them: {', '.join(entry['model_failed_gates'])}"
               if entry.get("model_failed_gates") else "")
@@ -131,7 +134,7 @@ def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) 
 
 def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) -> Path | None:
     """Kiln's CPU kernel library where this host runs the variant's graph for it, else None."""
-    if "kernel_model" not in entry or (providers or ["CPUExecutionProvider"]) != ["CPUExecutionProvider"]:
+    if "kernel_model" not in entry or (providers or CPU_PROVIDERS) != CPU_PROVIDERS:
         return None
     from .. import cpu_kernels
 
@@ -176,7 +179,7 @@ class OnnxRuntimeBackend(ClosesOnExit):
         """`kernels`: Kiln's CPU kernel library, for a graph with its ops (runtime/cpu_kernels.py)."""
         import onnxruntime as ort
 
-        providers = providers or ["CPUExecutionProvider"]
+        providers = providers or CPU_PROVIDERS
         missing = [p for p in providers if p not in ort.get_available_providers()]
         if missing:
             raise IncompatibleArtifact(

@@ -21,9 +21,7 @@ from types import ModuleType
 from typing import Any
 
 from ..errors import IncompatibleArtifact
-from .base import Backend, HostFit
-
-CPU_PROVIDERS = ["CPUExecutionProvider"]
+from .base import CPU_PROVIDERS, Backend, HostFit
 
 
 class Target(StrEnum):
