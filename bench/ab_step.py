@@ -122,9 +122,9 @@ def load(spec: str, threads: int, verify: bool = False):
             from runtime.backends.onnxruntime import OnnxRuntimeBackend, kernel_interface
             from runtime.cpu_kernels import library_for
 
-            path = artifact.folder / Path(entry["model"]).parent / graph
+            path = artifact.folder / Path(entry.model).parent / graph
             kernels = library_for(path)  # the kernels' graph takes their interface (its KV cache may be fp16)
-            return OnnxRuntimeBackend(path, kernel_interface(entry) if kernels else entry["interface"],
+            return OnnxRuntimeBackend(path, kernel_interface(entry) if kernels else entry.interface,
                                       threads=threads, kernels=kernels)
         return open_backend(artifact.folder, entry, threads=threads)
     except KilnError as exc:

@@ -77,7 +77,7 @@ def main() -> None:
 
     torch.set_num_threads(args.threads)
     generator = Generator.load(args.artifact, args.variant, threads=args.threads, max_batch_size=64)
-    source = generator.artifact.manifest["source"]["spec"]
+    source = generator.artifact.manifest.document["source"]["spec"]
     model = load_checkpoint(ModelSpec(source=source)).model
     model.set_attn_implementation("eager")  # transformers' own attention, as compare-model's reference
     eos = sorted(generator.eos_ids)

@@ -183,7 +183,7 @@ class Kiln:
         if mlas:
             opened = Artifact.open(artifact)
             entry = opened.variant(variant)
-            backend = OnnxRuntimeBackend(opened.folder / entry["model"], entry["interface"], threads=threads)
+            backend = OnnxRuntimeBackend(opened.folder / entry.model, entry.interface, threads=threads)
             self.generator = Generator(opened, backend, Tokenizer(opened.tokenizer_dir), max(BATCHES))
         else:
             # fma: the bf16 kernel's FMA path, which a CPU without AVX-512 BF16 takes (read per session);

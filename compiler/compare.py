@@ -27,6 +27,7 @@ from runtime.backends.registry import runnable_variant
 from runtime.backends.registry import runs_on as backend_runs_on
 from runtime.errors import IncompatibleArtifact
 from runtime.files import read_utf8
+from runtime.manifest import Variant
 from runtime.model import Selection
 
 from .accuracy import (
@@ -104,13 +105,13 @@ def _artifact_side(text: str, threads: int | None, verify: bool) -> Side:
     entry = _variant_entry(artifact, name)  # any variant with a graph, a failed one too: not select_variant
     loaded = Selection(artifact, entry, verify).open(threads)
     backend, tokenizer = loaded.backend, loaded.tokenizer
-    model = artifact.manifest["model"]
-    details = ", ".join(str(p) for p in (entry["target"], entry["precision"],
-                                         (entry.get("quantize") or {}).get("mode"), entry["status"]) if p)
+    model = artifact.manifest.model
+    details = ", ".join(str(p) for p in (entry.target, entry.precision, (entry.quantize or {}).get("mode"),
+                                         entry.status) if p)
     runs_on = backend_runs_on(entry)
-    return Side(text, f"{artifact.folder.name}:{entry['name']} ({details}), {runs_on}", backend,
-                tokenizer.encode, tokenizer.decode, tokenizer.vocab, min(model["eos_token_ids"], default=0),
-                model["max_context"], entry.get("gates", {}))
+    return Side(text, f"{artifact.folder.name}:{entry.name} ({details}), {runs_on}", backend,
+                tokenizer.encode, tokenizer.decode, tokenizer.vocab, min(model.eos_token_ids, default=0),
+                model.max_context, entry.document.get("gates", {}))
 
 
 def _split_variant(text: str) -> tuple[Path, str | None]:
@@ -120,12 +121,12 @@ def _split_variant(text: str) -> tuple[Path, str | None]:
     return Path(folder), name or None
 
 
-def _variant_entry(artifact: Artifact, name: str | None) -> dict[str, Any]:
+def _variant_entry(artifact: Artifact, name: str | None) -> Variant:
     """Any variant whose graph is in the artifact, when named: a failed one (--keep-failed), or a
     tensorrt one whose engine was skipped, whose graph runs here under ONNX Runtime."""
-    variants = artifact.manifest["variants"]
-    if name is not None and name in variants and variants[name].get("model", "").endswith(".onnx"):
-        return {"name": name, **variants[name]}
+    variants = artifact.manifest.variants
+    if name is not None and name in variants and (variants[name].model or "").endswith(".onnx"):
+        return variants[name]
     if name is not None and name in variants:
         raise IncompatibleArtifact(f"{artifact.folder}: variant {name!r} has no ONNX graph to run here")
     if name is not None:

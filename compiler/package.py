@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from runtime import __version__ as kiln_version
-from runtime.artifact import KERNELS_ONLY_SCHEMA_VERSION, MANIFEST, SCHEMA_VERSION, sha256_file
+from runtime.artifact import sha256_file
 from runtime.backends.registry import Target
 from runtime.interop import portable_tokenizer_config, sidecar_files
+from runtime.manifest import MANIFEST, Manifest, schema_version_for
 
 from .load import Checkpoint
 from .progress import StageLog
@@ -158,14 +159,15 @@ def hash_files(folder: Path, log: StageLog) -> dict[str, dict[str, Any]]:
     return files
 
 
-def write_manifest(folder: Path, sections: dict[str, Any], log: StageLog) -> dict[str, Any]:
-    manifest = {
-        "schema_version": KERNELS_ONLY_SCHEMA_VERSION if any(
-            v.get("cpu_kernels") == "required" for v in sections["variants"].values()) else SCHEMA_VERSION,
+def write_manifest(folder: Path, sections: dict[str, Any], log: StageLog) -> Manifest:
+    """manifest.json, through the runtime's own checks (runtime/manifest.py): a compile that would write one
+    the runtime refuses fails here, naming the problem, before the artifact takes its place."""
+    manifest = Manifest.parse({
+        "schema_version": schema_version_for(sections["variants"]),
         "created": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         **sections,
         "tools": tool_versions(),
         "files": hash_files(folder, log),
-    }
-    write_json(folder / MANIFEST, manifest)
+    }, "the manifest compile-model was about to write")
+    write_json(folder / MANIFEST, manifest.to_json())
     return manifest

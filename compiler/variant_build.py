@@ -30,6 +30,7 @@ from typing import Any
 from runtime.backends.onnxruntime import OnnxRuntimeBackend
 from runtime.backends.registry import Target, open_backend
 from runtime.cpu_kernels import KERNEL_DATA_FILE, KERNEL_MODEL_FILE
+from runtime.manifest import Variant as VariantEntry
 from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure
@@ -353,7 +354,7 @@ def engine_step(build: VariantBuild) -> None:
         return
     log.note(f"engine built in {engine['build_seconds']} s on {engine['gpu']} (TensorRT {engine['tensorrt_version']})")
     facts = {**engine, "file": f"variants/{variant.name}/{engine['file']}"}
-    backend = open_backend(folder.parents[1], {"engine": facts, "interface": graph.interface})
+    backend = open_backend(folder.parents[1], VariantEntry.of(variant.name, {**build.entry, "engine": facts}))
     comparison = build.against_eager(backend, f"{variant.name}-engine", f"TensorRT engine on {engine['gpu']}")
     build.entry.update({"engine": facts, "profiles": ranges.model_dump(), "engine_accuracy": comparison["summary"],
                         "status": "built"})

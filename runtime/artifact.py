@@ -12,25 +12,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import ArtifactError, IncompatibleArtifact
 from .files import read_utf8
+from .manifest import MANIFEST, SIGNATURE_FILE, FileEntry, Manifest, Variant, safe_relative
 from .onnx_refs import MalformedModel, external_data
-from .signing import SIGNATURE_FILE
 
-MANIFEST = "manifest.json"
-SCHEMA_VERSION = 1
-# An artifact with a variant for Kiln's CPU kernels alone (the recipe's cpu_kernels: required) is version 2:
-# a runtime that reads version 1 alone does not know the key and would run that variant's model.onnx, a graph
-# that may have missed its gates; it refuses the artifact instead. Every other artifact stays version 1.
-KERNELS_ONLY_SCHEMA_VERSION = 2
-READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, KERNELS_ONLY_SCHEMA_VERSION)
 _CHUNK = 1 << 20
-NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
 
 
 def sha256_file(path: Path, on_bytes: Any = None) -> str:
@@ -58,26 +50,21 @@ def version_tuple(text: str) -> tuple[int, ...]:
 @dataclass(frozen=True)
 class Artifact:
     folder: Path
-    manifest: dict[str, Any]
+    manifest: Manifest
 
     @classmethod
     def open(cls, folder: str | Path, verify: bool = True) -> Artifact:
-        """Read the manifest and (by default) check every listed file's size and sha256."""
+        """Read and check the manifest (runtime/manifest.py) and, by default, every listed file's size and
+        sha256."""
         folder = Path(folder)
         path = folder / MANIFEST
         if not path.is_file():
             raise ArtifactError(f"{folder}: not a Kiln artifact (no {MANIFEST})")
         try:
-            manifest = json.loads(read_utf8(path, str(path), "JSON", ArtifactError))
+            document = json.loads(read_utf8(path, str(path), "JSON", ArtifactError))
         except json.JSONDecodeError as exc:
             raise ArtifactError(f"{path}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-        version = manifest.get("schema_version")
-        if version not in READABLE_SCHEMA_VERSIONS:
-            raise IncompatibleArtifact(
-                f"{folder}: manifest schema version {version}, this runtime reads versions "
-                f"{' and '.join(map(str, READABLE_SCHEMA_VERSIONS))}"
-            )
-        artifact = cls(folder, manifest)
+        artifact = cls(folder, Manifest.parse(document, str(folder)))
         if verify:
             artifact.verify()
         return artifact
@@ -89,15 +76,12 @@ class Artifact:
         hashed before is trusted again while its size, mtime, ctime (ns; ctime cannot be set back),
         inode and device are unchanged; the cache lives in ~/.cache/kiln, not in the artifact.
         `kiln verify` and `install` never use it."""
-        problem = manifest_problem(self.manifest)
-        if problem:
-            raise ArtifactError(f"{self.folder}: {problem}")
-        files = self.manifest["files"]
+        files = self.manifest.files
         _check_tree(self.folder, set(files))
         if rehash:
             self._check_hashes(_HashCache.load() if use_cache else _HashCache(None, {}))
-        notes = [f"schema {self.manifest['schema_version']}, {len(files)} files, sha256 and size of each"]
-        models = {e["model"] for e in self.manifest["variants"].values() if isinstance(e.get("model"), str)}
+        notes = [f"schema {self.manifest.schema_version}, {len(files)} files, sha256 and size of each"]
+        models = {v.model for v in self.manifest.variants.values() if v.model is not None}
         onnx_files = sorted({name for name in files if name.endswith(".onnx")} | models)
         for name in onnx_files:
             _check_external_data(self.folder, name, files)
@@ -105,46 +89,45 @@ class Artifact:
         return notes
 
     def _check_hashes(self, cache: _HashCache) -> None:
-        for relative, entry in self.manifest["files"].items():
+        for relative, entry in self.manifest.files.items():
             path = self.folder / relative
             if not path.is_file():
                 raise ArtifactError(f"{self.folder}: file {relative} listed in the manifest is missing")
             stat = path.stat()
-            if stat.st_size != entry["size"]:
+            if stat.st_size != entry.size:
                 raise ArtifactError(f"{self.folder}: file {relative} has the wrong size (modified after compile)")
-            if cache.get(path, stat) != entry["sha256"]:
+            if cache.get(path, stat) != entry.sha256:
                 digest = sha256_file(path)
-                if digest != entry["sha256"]:
+                if digest != entry.sha256:
                     raise ArtifactError(
                         f"{self.folder}: file {relative} fails its sha256 check (modified after compile)")
                 cache.put(path, stat, digest)
         cache.save()
 
-    def variant(self, name: str | None = None) -> dict[str, Any]:
+    def variant(self, name: str | None = None) -> Variant:
         """A built variant's manifest entry; without a name, the first one built (runtime/backends/registry.py
         runnable_variant: the first this host runs). A variant that missed its accuracy gates (kept by
         compile-model --keep-failed) loads only when named."""
-        variants = self.manifest["variants"]
-        status = variants.get(name, {}).get("status")
-        if status == "failed":
-            return {"name": name, **variants[name]}
-        built = {k: v for k, v in variants.items() if v.get("status") == "built"}
-        if status == "skipped":
+        variants = self.manifest.variants
+        asked = variants.get(name) if name is not None else None
+        if asked is not None and asked.status == "failed":
+            return asked
+        built = self.manifest.built()
+        if asked is not None and asked.status == "skipped":
             others = f"; built variants: {', '.join(built)}" if built else ""
-            raise IncompatibleArtifact(f"{self.folder}: variant {name!r} was not built: {variants[name]['reason']}"
-                                       + others)
+            raise IncompatibleArtifact(f"{self.folder}: variant {name!r} was not built: {asked.reason}" + others)
         if not built:
-            failed = [k for k, v in variants.items() if v.get("status") == "failed"]
+            failed = [n for n, v in variants.items() if v.status == "failed"]
             named = f"no variant {name!r}; " if name is not None else ""
             kept = f"; variants that missed their gates load only when named: {', '.join(failed)}" if failed else ""
             raise IncompatibleArtifact(f"{self.folder}: {named}the artifact holds no built variant{kept}")
         if name is None:
-            name = next(iter(built))
+            return next(iter(built.values()))
         if name not in built:
             raise IncompatibleArtifact(
                 f"{self.folder}: no built variant {name!r}; built variants: {', '.join(built)}"
             )
-        return {"name": name, **built[name]}
+        return built[name]
 
     @property
     def tokenizer_dir(self) -> Path:
@@ -202,53 +185,6 @@ class _HashCache:
 
 # -- the checks verify() makes ------------------------------------------------------------------
 
-def safe_relative(name: str) -> str | None:
-    """Why `name` may not be a path inside an artifact, or None if it may."""
-    if not name or name.startswith("/") or "\\" in name or (len(name) > 1 and name[1] == ":"):
-        return "an absolute path"
-    parts = PurePosixPath(name).parts
-    if ".." in parts:
-        return "a path that climbs out of its folder (..)"
-    if any(p in ("", ".") for p in name.split("/")):
-        return "a path with empty or '.' parts"
-    return None
-
-
-def manifest_problem(manifest: Any) -> str | None:
-    """What makes `manifest` unsafe to act on (names, paths, shapes), or None."""
-    if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict) or not manifest["files"]:
-        return "the manifest lists no files"
-    name = manifest.get("name")
-    if not isinstance(name, str) or not NAME.fullmatch(name):
-        return f"the manifest's name {name!r} is not [a-z0-9][a-z0-9._-]*"
-    files = manifest["files"]
-    for path, entry in files.items():
-        problem = safe_relative(path)
-        if problem or path in (MANIFEST, SIGNATURE_FILE):
-            return f"the manifest lists {path!r}, {problem or 'a reserved name'}"
-        if not isinstance(entry, dict) or not isinstance(entry.get("size"), int) or entry["size"] < 0 \
-                or not isinstance(entry.get("sha256"), str):
-            return f"the manifest's entry for {path!r} has no valid size and sha256"
-    folders = {str(parent) for path in files for parent in PurePosixPath(path).parents}
-    clash = next((path for path in files if path in folders), None)
-    if clash:
-        return f"the manifest lists {clash!r} both as a file and as a folder"
-    variants = manifest.get("variants")
-    if not isinstance(variants, dict) or not all(isinstance(v, dict) for v in variants.values()):
-        return "the manifest's variants are not a mapping of variant entries"
-    for variant, entry in variants.items():
-        engine = entry.get("engine") if isinstance(entry.get("engine"), dict) else {}
-        for path in (entry.get("model"), engine.get("file")):
-            if path is not None and (not isinstance(path, str) or path not in files):
-                return f"variant {variant!r} points at {path!r}, which the manifest does not list"
-        profiles = engine.get("profiles_file")
-        if profiles is not None:
-            folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)
-            if folder.as_posix() not in files:
-                return f"variant {variant!r} points at {folder.as_posix()!r}, which the manifest does not list"
-    return None
-
-
 def _check_tree(folder: Path, listed: set[str]) -> None:
     allowed = listed | {MANIFEST, SIGNATURE_FILE}
     for root, dirs, names in os.walk(folder):
@@ -261,7 +197,7 @@ def _check_tree(folder: Path, listed: set[str]) -> None:
                 raise ArtifactError(f"{folder}: file {relative} is not listed in the manifest")
 
 
-def _check_external_data(folder: Path, name: str, files: dict[str, Any]) -> None:
+def _check_external_data(folder: Path, name: str, files: Mapping[str, FileEntry]) -> None:
     path = folder / name
     try:
         refs = external_data(path)
@@ -281,7 +217,7 @@ def _check_external_data(folder: Path, name: str, files: dict[str, Any]) -> None
         if length is None or not all(v.isascii() and v.isdigit() for v in (offset, length)):
             raise ArtifactError(f"{folder}: {name} has an external-data entry without a plain numeric offset and "
                                 "length; refused")
-        offset, length, size = int(offset), int(length), files[target]["size"]
+        offset, length, size = int(offset), int(length), files[target].size
         if offset + length > size:
             raise ArtifactError(f"{folder}: {name} reads {target} at offset {offset} + length {length}, past its "
                                 f"{size} bytes; refused")

@@ -224,7 +224,7 @@ class Answerer:
                  defaults: dict[str, Any] | None = None, chunk_rows: int = 1024) -> None:
         self.engine, self.format, self.chunk_rows = generator.engine, fmt, chunk_rows
         artifact = generator.artifact
-        self.model = model_name or artifact.manifest["name"]
+        self.model = model_name or artifact.manifest.name
         self.fingerprint = system_fingerprint
         self.defaults = dict(defaults or {})  # the command line's: a row's own fields win
         config = artifact.generation_config  # then the artifact's, as `kiln serve` does

@@ -29,7 +29,7 @@ class Generator:
                  max_prefill_tokens: int = 512, prefill_first: bool = True) -> None:
         """prefill_first: the engine's policy for bulk calls (Engine.prefill_first); a server passes False."""
         self.artifact, self.backend, self.tokenizer = artifact, backend, tokenizer
-        self.engine = Engine(backend, tokenizer, eos_ids(artifact), artifact.manifest["model"]["max_context"],
+        self.engine = Engine(backend, tokenizer, eos_ids(artifact), artifact.manifest.model.max_context,
                              max_batch_size, max_prefill_tokens, prefill_first=prefill_first)
 
     @classmethod
@@ -107,4 +107,4 @@ class Generator:
 def eos_ids(artifact: Artifact) -> set[int]:
     """The manifest's EOS ids and generation_config.json's (chat models often add the turn's end)."""
     eos = artifact.generation_config.get("eos_token_id")
-    return set(artifact.manifest["model"]["eos_token_ids"]) | ({eos} if isinstance(eos, int) else set(eos or []))
+    return set(artifact.manifest.model.eos_token_ids) | ({eos} if isinstance(eos, int) else set(eos or []))

@@ -2,8 +2,9 @@
 ORTModelForCausalLM reads config.json and generation_config.json, onnxruntime-genai reads
 genai_config.json, and both load the tokenizer from the same folder. Every file is written from the
 manifest (and the artifact's tokenizer/), never copied from the checkpoint, so it describes exactly
-the graph beside it. Polygraphy and trtexec need every input's shape on the command line:
-`input_shapes` spells them out from the interface.
+the graph beside it. These functions read the manifest's JSON document (`Manifest.document`), which
+compile-model also hands them before the manifest is written. Polygraphy and trtexec need every
+input's shape on the command line: `input_shapes` spells them out from the interface.
 """
 
 from __future__ import annotations
@@ -11,13 +12,18 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .backends.base import expand, kv_order
 from .backends.registry import opens_in_other_tools
 from .errors import ArtifactError
 from .files import link_or_copy
+from .manifest import Variant
+
+if TYPE_CHECKING:
+    from .artifact import Artifact
 
 CONFIG = "config.json"
 GENAI_CONFIG = "genai_config.json"
@@ -48,7 +54,7 @@ def portable_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
     return portable
 
 
-def optimum_problem(manifest: dict[str, Any], variant: str) -> str | None:
+def optimum_problem(manifest: Mapping[str, Any], variant: str) -> str | None:
     """Why Optimum 2.1 cannot run the variant (it would feed a first-step cache of the wrong shape), or None
     (also where the manifest has no config to tell from)."""
     config, interface = manifest["model"].get("config"), manifest["variants"][variant]["interface"]
@@ -72,11 +78,11 @@ def optimum_problem(manifest: dict[str, Any], variant: str) -> str | None:
             "Optimum's ORTModelForCausalLM; onnxruntime-genai and Kiln run it)")
 
 
-def sidecar_files(manifest: dict[str, Any], variant: str, tokenizer: Path, kinds: tuple[str, ...] = ("optimum", "genai")
-                  ) -> dict[str, bytes]:
+def sidecar_files(manifest: Mapping[str, Any], variant: str, tokenizer: Path,
+                  kinds: tuple[str, ...] = ("optimum", "genai")) -> dict[str, bytes]:
     """File name -> bytes for one onnxruntime variant's folder, for the tools named in `kinds`."""
     entry = manifest["variants"][variant]
-    if not opens_in_other_tools(entry):
+    if not opens_in_other_tools(Variant.of(variant, entry)):
         raise ArtifactError(f"variant {variant!r} is a {entry.get('target')} variant; only onnxruntime variants "
                             "open in Optimum and onnxruntime-genai")
     if "config" not in manifest["model"]:
@@ -97,7 +103,7 @@ def sidecar_files(manifest: dict[str, Any], variant: str, tokenizer: Path, kinds
     return files
 
 
-def genai_config(manifest: dict[str, Any], variant: str, generation: dict[str, Any] | None = None) -> dict[str, Any]:
+def genai_config(manifest: Mapping[str, Any], variant: str, generation: dict[str, Any] | None = None) -> dict[str, Any]:
     """onnxruntime-genai's description of the variant's graph. A GroupQueryAttention graph reads and
     writes one KV buffer of the full context (past_present_share_buffer); the plain graph returns
     present = past + the new tokens."""
@@ -232,26 +238,27 @@ def _json(data: Any) -> bytes:
     return (json.dumps(data, indent=2) + "\n").encode()
 
 
-def export_folder(artifact: Any, variant: str, tool: str, out: Path, link: bool = True) -> list[str]:
+def export_folder(artifact: Artifact, variant: str, tool: str, out: Path, link: bool = True) -> list[str]:
     """A new folder `tool` ("optimum" or "genai") opens as it is: the variant's graph files (hard links
     where the file system allows, else copies) and the files the tool reads, written from the
     manifest. It appears at `out` all at once. Returns the names written."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ArtifactError(f"{out}: already exists and is not an empty folder; choose a new folder")
-    entry = artifact.manifest["variants"][variant]
-    if entry.get("model_failed_gates"):  # the other tools run model.onnx, which no gate vouches for
+    entry = artifact.manifest.variants[variant]
+    if entry.model_failed_gates:  # the other tools run model.onnx, which no gate vouches for
         raise ArtifactError(f"variant {variant!r} is for Kiln's CPU kernels alone: its model.onnx, which {tool} would "
-                            f"run, missed its gates ({', '.join(entry['model_failed_gates'])}); export a variant "
+                            f"run, missed its gates ({', '.join(entry.model_failed_gates)}); export a variant "
                             "whose model.onnx passed them")
-    files = sidecar_files(artifact.manifest, variant, artifact.tokenizer_dir, (tool,))
-    problem = optimum_problem(artifact.manifest, variant) if tool == "optimum" else None
+    document = artifact.manifest.document
+    files = sidecar_files(document, variant, artifact.tokenizer_dir, (tool,))
+    problem = optimum_problem(document, variant) if tool == "optimum" else None
     if problem:
         raise ArtifactError(problem)
     staging = out.parent / f".{out.name}.partial-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     try:
-        for relative in entry["files"]:
+        for relative in entry.files:
             source, target = artifact.folder / relative, staging / PurePosixPath(relative).name
             link_or_copy(source, target, link)  # a copy on another file system, or with --copy
         for name, data in files.items():
@@ -262,4 +269,4 @@ def export_folder(artifact: Any, variant: str, tool: str, out: Path, link: bool 
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    return sorted([PurePosixPath(r).name for r in entry["files"]] + list(files))
+    return sorted([PurePosixPath(r).name for r in entry.files] + list(files))

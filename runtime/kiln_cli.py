@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
 from .command import OneLineGroup
 from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
+
+if TYPE_CHECKING:
+    from .artifact import Artifact
+    from .manifest import Variant
 
 EXISTING_FILE = click.Path(exists=True, dir_okay=False, path_type=Path)
 EXISTING = click.Path(exists=True, path_type=Path)
@@ -265,12 +270,11 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
     selection = select_variant(artifact, variant, ["CUDAExecutionProvider"] if device else None, verify=False)
     opened, entry = selection.artifact, selection.entry
     weights = variant_file_bytes(opened.manifest, entry)
-    kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"),
-                                         (entry.get("quantize") or {}).get("mode")) if k)
-    title = f"kiln plan: {opened.manifest['name']}:{entry['name']} ({kind})"
+    kind = ", ".join(str(k) for k in (entry.target, entry.precision, (entry.quantize or {}).get("mode")) if k)
+    title = f"kiln plan: {opened.manifest.name}:{entry.name} ({kind})"
 
-    return (title, entry["interface"] if device else served_interface(entry), entry.get("memory"), weights,
-            opened.manifest["model"]["max_context"], not memory_on_host(entry))
+    return (title, entry.interface if device else served_interface(entry), entry.memory, weights,
+            opened.manifest.model.max_context, not memory_on_host(entry))
 
 
 def _artifact_variant(spec: str) -> tuple[Path, str | None]:
@@ -305,52 +309,52 @@ def inspect(spec: str, polygraphy_sizes: str | None, trtexec_sizes: str | None, 
         for sizes, render in ((polygraphy_sizes, interop.polygraphy_argument),
                               (trtexec_sizes, interop.trtexec_argument)):
             if sizes is not None:
-                lines.append(render(interop.input_shapes(entry["interface"], interop.parse_sizes(sizes))))
+                lines.append(render(interop.input_shapes(entry.interface, interop.parse_sizes(sizes))))
     except (KilnError, ValueError) as exc:
         click.echo(f"kiln inspect: error: {exc}", err=True)
         sys.exit(2)
     if lines:
         click.echo("\n".join(lines))
     elif as_json:
-        click.echo(json.dumps(entry, indent=2))
+        click.echo(json.dumps({"name": entry.name, **entry.document}, indent=2))
     else:
         click.echo(_describe_variant(artifact, entry))
 
 
-def _describe_variant(artifact, entry: dict) -> str:
+def _describe_variant(artifact: Artifact, entry: Variant) -> str:
     from .backends.base import expand
     from .backends.registry import opens_in_other_tools
 
-    interface, name = entry["interface"], entry["name"]
-    quantize = (entry.get("quantize") or {}).get("mode")
-    kind = ", ".join(str(k) for k in (entry.get("target"), entry.get("precision"), quantize,
-                                         "fused" if entry.get("fuse") else "unfused") if k)
-    graph = artifact.folder / entry["model"]
-    accuracy = entry.get("accuracy") or {}
-    lines = [f"{artifact.manifest['name']}:{name} ({kind}), {entry['status']}",
-             f"  graph      {graph} ({entry.get('node_count', '?')} nodes)"]
+    interface, name, record = entry.interface, entry.name, entry.document  # record: the build's, as written
+    quantize = (entry.quantize or {}).get("mode")
+    kind = ", ".join(str(k) for k in (entry.target, entry.precision, quantize,
+                                         "fused" if record.get("fuse") else "unfused") if k)
+    graph = artifact.folder / entry.model
+    accuracy = record.get("accuracy") or {}
+    lines = [f"{artifact.manifest.name}:{name} ({kind}), {entry.status}",
+             f"  graph      {graph} ({record.get('node_count', '?')} nodes)"]
     if accuracy:
         lines.append(f"  accuracy   top-1 {accuracy['top1_agreement']:.3f}, perplexity "
                      f"{accuracy['perplexity_change']:+.2%}, greedy match {accuracy['greedy_match']:.2f} vs eager"
-                     + (f"; missed its gates ({', '.join(entry['model_failed_gates'])}): not run, the variant is "
-                        "for Kiln's CPU kernels alone" if entry.get("model_failed_gates") else ""))
-    if "kernel_model" in entry:
+                     + (f"; missed its gates ({', '.join(entry.model_failed_gates)}): not run, the variant is "
+                        "for Kiln's CPU kernels alone" if entry.model_failed_gates else ""))
+    if entry.kernel_model is not None:
         from .cpu_kernels import bf16, library
 
         kernels, why = library()
-        measured = entry["kernel_accuracy"]
-        lines.append(f"  kernels    {artifact.folder / entry['kernel_model']}: top-1 {measured['top1_agreement']:.3f}, "
+        measured = record["kernel_accuracy"]
+        lines.append(f"  kernels    {artifact.folder / entry.kernel_model}: top-1 {measured['top1_agreement']:.3f}, "
                      f"perplexity {measured['perplexity_change']:+.2%} vs eager; "
                      + ("this host runs it" if kernels else
                         f"this host cannot run the variant ({why}): it is for these kernels alone"
-                        if entry.get("cpu_kernels") == "required" else f"this host runs the graph above ({why})")
+                        if entry.cpu_kernels == "required" else f"this host runs the graph above ({why})")
                      + ("; prompts of different lengths prefill in one step"
-                        if kernels and entry.get("kernel_prefill") == "batched" else "")
-                     + (f"; its KV cache {entry['kernel_kv_cache']}" if "kernel_kv_cache" in entry else "")
-                     + (f"; 4-bit activations {entry['kernel_activations']}" if "kernel_activations" in entry else "")
+                        if kernels and entry.kernel_prefill == "batched" else "")
+                     + (f"; its KV cache {entry.kernel_kv_cache}" if entry.kernel_kv_cache else "")
+                     + (f"; 4-bit activations {entry.kernel_activations}" if entry.kernel_activations else "")
                      + ((" on AVX-512 BF16" if bf16() else " on FMAs (the same numbers)")
-                        if kernels and "kernel_activations" in entry else ""))
-    fused = ", ".join(f"{k} {v}" for k, v in (entry.get("fusions") or {}).items() if v) or "none"
+                        if kernels and entry.kernel_activations else ""))
+    fused = ", ".join(f"{k} {v}" for k, v in (record.get("fusions") or {}).items() if v) or "none"
     lines.append(f"  fusions    {fused}")
     lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"
                  f", {interface.get('kv_sharing', 'none')}")
@@ -361,17 +365,16 @@ def _describe_variant(artifact, entry: dict) -> str:
             lines.append(f"  {label if i == 0 else '':<10} {shown} {io['dtype']} [{', '.join(map(str, io['shape']))}]")
     count = len(expand(interface["inputs"], interface["layers"]))
     lines.append(f"  ({count} graph inputs; --polygraphy-shapes batch=1,seq=8,past=0 spells out their shapes)")
-    sidecars = entry.get("sidecars") or []
-    if sidecars:
+    if entry.sidecars:
         from .interop import optimum_problem
 
-        problem = optimum_problem(artifact.manifest, name)
+        problem = optimum_problem(artifact.manifest.document, name)
         tools = "onnxruntime-genai (og.Model)" if problem else \
             "Optimum (ORTModelForCausalLM.from_pretrained) and onnxruntime-genai (og.Model)"
         lines.append(f"  opens in   {tools} from {graph.parent}")
         if problem:
             lines.append(f"  not in     {problem}")
-    elif entry.get("model_failed_gates"):
+    elif entry.model_failed_gates:
         lines.append("  opens in   Kiln alone: its model.onnx, which other tools would run, missed its gates")
     elif opens_in_other_tools(entry):
         lines.append("  opens in   kiln export-for optimum|genai writes a folder the tool opens")
@@ -394,9 +397,8 @@ def export_for(tool: str, spec: str, out: Path, copy: bool) -> None:
     try:
         artifact = Artifact.open(folder)  # verified: what is handed on is what was compiled
         if name is None:  # the first built variant whose model.onnx, which the tool runs, passed its gates
-            name = next((n for n, e in artifact.manifest["variants"].items()
-                         if e.get("status") == "built" and not e.get("model_failed_gates")), None)
-        variant = artifact.variant(name)["name"]
+            name = next((n for n, e in artifact.manifest.built().items() if not e.model_failed_gates), None)
+        variant = artifact.variant(name).name
         written = export_folder(artifact, variant, tool, out, link=not copy)
     except Exception as exc:
         _fail("export-for", exc)

@@ -32,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import IncompatibleArtifact
+from .manifest import Manifest, Variant
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -131,23 +132,23 @@ def _largest(fits: Any, high: int) -> int:
     return low
 
 
-def variant_plan(manifest: dict[str, Any], entry: dict[str, Any], batch: int, context: int | None = None,
+def variant_plan(manifest: Manifest, entry: Variant, batch: int, context: int | None = None,
                  prefill_tokens: int = 512, providers: list[str] | None = None) -> Plan:
     """plan() for a variant of an artifact: its measured memory, or its files' size where it has none; its
     KV cache as the graph this host runs holds it (Kiln's CPU kernels' may be fp16)."""
     from .backends.registry import served_interface
 
-    return plan(served_interface(entry, providers), entry.get("memory"), batch,
-                context or manifest["model"]["max_context"], prefill_tokens, variant_file_bytes(manifest, entry))
+    return plan(served_interface(entry, providers), entry.memory, batch,
+                context or manifest.model.max_context, prefill_tokens, variant_file_bytes(manifest, entry))
 
 
-def variant_file_bytes(manifest: dict[str, Any], entry: dict[str, Any]) -> int:
+def variant_file_bytes(manifest: Manifest, entry: Variant) -> int:
     """The size of a variant's files (graph and external data): its weights, where none were measured."""
-    files = [f for f in entry.get("files", [entry.get("model")]) if f]
-    return sum(manifest["files"].get(f, {}).get("size", 0) for f in files)
+    files = [f for f in entry.files or (entry.model,) if f in manifest.files]
+    return sum(manifest.files[f].size for f in files)
 
 
-def require_fit(manifest: dict[str, Any], entry: dict[str, Any], max_batch_size: int,
+def require_fit(manifest: Manifest, entry: Variant, max_batch_size: int,
                 providers: list[str] | None = None, prefill_tokens: int = 512) -> Plan | None:
     """Before loading: refuse a max_batch_size x max context that this host's free memory cannot hold
     (IncompatibleArtifact with the planner's line), instead of dying in an allocation later. None for
@@ -160,7 +161,7 @@ def require_fit(manifest: dict[str, Any], entry: dict[str, Any], max_batch_size:
     planned = variant_plan(manifest, entry, max_batch_size, prefill_tokens=prefill_tokens, providers=providers)
     budget = free_host_memory() + planned.baseline_bytes  # this process already holds its baseline
     if planned.bound_bytes > budget:
-        most = largest_batch(served_interface(entry, providers), entry.get("memory"), budget, planned.context,
+        most = largest_batch(served_interface(entry, providers), entry.memory, budget, planned.context,
                              prefill_tokens, planned.weights_bytes)
         raise IncompatibleArtifact(f"memory: {describe(planned, budget)}; at most {most} sequences at context "
                                    f"{planned.context} fit: lower the batch size (kiln plan shows the numbers)")

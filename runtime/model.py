@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from .artifact import Artifact
 from .backends.base import Backend, ClosesOnExit
 from .backends.registry import open_backend, runnable_variant
+from .manifest import Variant
 from .tokenizer import Tokenizer
 
 
@@ -27,13 +27,13 @@ class Selection:
     """A variant of an opened artifact, chosen for this host and not loaded yet."""
 
     artifact: Artifact
-    entry: dict[str, Any]
+    entry: Variant
     verified: bool = True  # whether the artifact's hashes were checked (a TensorRT engine's host code needs it)
     providers: list[str] | None = None
 
     @property
     def name(self) -> str:
-        return self.entry["name"]
+        return self.entry.name
 
     def open(self, threads: int | None = None, max_batch_size: int | None = None,
              max_prefill_tokens: int = 512) -> Model:
@@ -52,7 +52,7 @@ class Model(ClosesOnExit):
     """An artifact's variant, loaded: what the engine and the front-ends run."""
 
     artifact: Artifact
-    entry: dict[str, Any]
+    entry: Variant
     backend: Backend
     tokenizer: Tokenizer
 

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from .engine import Result, TokenLogprob
+from .manifest import Variant
 from .sampling import MAX_LOGPROBS, SamplingParams
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
@@ -268,6 +269,6 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     return ApiError(422, message, param, "invalid_value")
 
 
-def fingerprint(entry: dict[str, Any]) -> str:
+def fingerprint(entry: Variant) -> str:
     """system_fingerprint: which variant answered, so an A/B of variants can be told apart."""
-    return f"kiln-{entry['name']}"
+    return f"kiln-{entry.name}"

@@ -33,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from .engine import Engine, Event, RequestError, Result
+from .manifest import Manifest, Variant
 from .openai_api import (
     FINISH_REASONS,
     GENERATION_DEFAULTS,
@@ -261,7 +262,7 @@ class Service:
     def __init__(self, config: ServeConfig, selection: Selection) -> None:
         self.config, self.selection = config, selection
         self.artifact, self.entry = selection.artifact, selection.entry
-        self.model = config.model_name or self.artifact.manifest["name"]
+        self.model = config.model_name or self.artifact.manifest.name
         self.metrics = Metrics(self.model)
         self.loop: EngineLoop | None = None
         self.engine: Engine | None = None
@@ -433,7 +434,7 @@ def create_app(service: Service) -> Any:
     async def models(request: Request) -> JSONResponse:
         authorize(request)
         card = {"id": service.model, "object": "model", "created": int(service.artifact.folder.stat().st_mtime),
-                "owned_by": "kiln", "max_model_len": service.artifact.manifest["model"]["max_context"]}
+                "owned_by": "kiln", "max_model_len": service.artifact.manifest.model.max_context}
         return JSONResponse({"object": "list", "data": [card]})
 
     async def answer(body: Any, request: Request, shape: _Shape) -> Response:
@@ -577,7 +578,7 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
         submission.close()
 
 
-def admission_budget(manifest: dict[str, Any], entry: dict[str, Any], config: ServeConfig) -> int | None:
+def admission_budget(manifest: Manifest, entry: Variant, config: ServeConfig) -> int | None:
     """KV slots the running requests may reserve, from the memory plan and this host's free memory;
     refuses (IncompatibleArtifact) a host that cannot hold even one sequence at the max context."""
     from .memory import free_host_memory, require_fit, tokens_in_flight
@@ -620,7 +621,7 @@ def serve(config: ServeConfig) -> int:
          f"max batch {config.max_batch_size}  max queue {config.max_queue}  "
          f"prefill budget {config.max_prefill_tokens} tokens/step  "
          + (f"KV slots in flight {config.max_tokens_in_flight:,}  " if config.max_tokens_in_flight else "")
-         + f"max context {selection.artifact.manifest['model']['max_context']}  "
+         + f"max context {selection.artifact.manifest.model.max_context}  "
          f"threads {config.threads or 'all cores'}  api key {'required' if config.api_key else 'not required'}")
     loader = threading.Thread(target=_load, args=(service, server), name="kiln-load", daemon=True)
     loader.start()

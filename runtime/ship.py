@@ -31,10 +31,11 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from .artifact import MANIFEST, Artifact, manifest_problem, safe_relative
+from .artifact import Artifact
 from .backends.base import HostFit
 from .backends.registry import host_fit as variant_fit
 from .errors import ArtifactError, IncompatibleArtifact, KilnError
+from .manifest import MANIFEST, Manifest, ManifestError, safe_relative
 from .signing import SIGNATURE_FILE, SignatureError, sign, verify_signature
 
 MAX_MANIFEST_BYTES = 64 << 20
@@ -65,7 +66,7 @@ def pack(folder: Path, out: Path, sign_key: Path | None = None) -> Path:
             _add(tar, MANIFEST, len(manifest), io.BytesIO(manifest))
             if signature is not None:
                 _add(tar, SIGNATURE_FILE, len(signature), io.BytesIO(signature))
-            for relative in sorted(artifact.manifest["files"]):
+            for relative in sorted(artifact.manifest.files):
                 path = folder / relative
                 with open(path, "rb") as handle:
                     _add(tar, relative, path.stat().st_size, handle)
@@ -103,8 +104,8 @@ def unpack(archive: Path, dest: Path, public_key: Path | None = None, require_si
 
 
 def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path, public_key: Path | None,
-                    require_signature: bool) -> dict[str, Any]:
-    manifest: dict[str, Any] | None = None
+                    require_signature: bool) -> Manifest:
+    manifest: Manifest | None = None
     raw = b""
     expected: dict[str, dict[str, Any]] = {}
     written: set[str] = set()
@@ -162,18 +163,17 @@ def _unpack_members(archive: Path, tar: tarfile.TarFile, dest: Path, public_key:
     return manifest
 
 
-def _read_manifest(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo) -> tuple[dict, dict, bytes]:
+def _read_manifest(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo) -> tuple[Manifest, dict, bytes]:
     if member.size > MAX_MANIFEST_BYTES:
         raise ArchiveError(f"{archive}: {MANIFEST} is {member.size} bytes; refused")
     raw = tar.extractfile(member).read()
     try:
-        manifest = json.loads(raw.decode("utf-8", errors="strict"))
-        problem = manifest_problem(manifest)
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        manifest = Manifest.parse(json.loads(raw.decode("utf-8", errors="strict")), str(archive))
+    except ValueError as exc:
         raise ArchiveError(f"{archive}: {MANIFEST} is not a Kiln manifest ({exc})") from None
-    if problem:
-        raise ArchiveError(f"{archive}: {problem}; refused")
-    expected = {k: {"size": int(v["size"]), "sha256": str(v["sha256"])} for k, v in manifest["files"].items()}
+    except ManifestError as exc:
+        raise ArchiveError(f"{exc}; refused") from None
+    expected = {k: {"size": v.size, "sha256": v.sha256} for k, v in manifest.files.items()}
     total, size = sum(v["size"] for v in expected.values()), archive.stat().st_size
     # gzip barely shrinks weights; an archive much larger than what it claims to hold is not ours
     limit = total * 1.1 + member.size + (16 << 20)
@@ -201,7 +201,7 @@ def _write(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo, path: P
 # -- verify ---------------------------------------------------------------------------------------
 
 def check_integrity(folder: Path, public_key: Path | None = None, require_signature: bool = False,
-                    rehash: bool = True) -> tuple[dict[str, Any], list[str]]:
+                    rehash: bool = True) -> tuple[Manifest, list[str]]:
     """What the runtime checks before it loads (Artifact.verify, every byte hashed), then the signature.
     Raises on the first problem; returns the manifest and notes on what was checked. `rehash=False` is
     for a folder `unpack` has just written: it hashed every byte as it wrote them."""
@@ -223,9 +223,9 @@ def _check_signature(folder: Path, public_key: Path | None, require: bool) -> st
     return f"signature verified with {public_key.name}"
 
 
-def host_fit(manifest: dict[str, Any]) -> list[HostFit]:
+def host_fit(manifest: Manifest) -> list[HostFit]:
     """For every variant: what it needs from this host, what the host has, and whether it runs here."""
-    return [variant_fit(name, entry, manifest) for name, entry in manifest["variants"].items()]
+    return [variant_fit(name, entry, manifest) for name, entry in manifest.variants.items()]
 
 
 def require_fit(fits: list[HostFit], variant: str | None) -> None:
@@ -288,7 +288,7 @@ def _install_locked(archive: Path, into: Path, public_key: Path | None, require_
         check_integrity(staging / "artifact", public_key, require_signature, rehash=False)
         require_fit(host_fit(manifest), variant)
         identity = hashlib.sha256((staging / "artifact" / MANIFEST).read_bytes()).hexdigest()[:12]
-        version = into / "versions" / f"{manifest['name']}-{identity}"
+        version = into / "versions" / f"{manifest.name}-{identity}"
         version.parent.mkdir(exist_ok=True)
         _place(staging, version)
     finally:

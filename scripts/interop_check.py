@@ -117,8 +117,8 @@ def main() -> int:
     job, kiln, rows = {"folders": {}}, {}, []
     for artifact in artifacts:
         opened = Artifact.open(artifact)
-        for name, entry in opened.manifest["variants"].items():
-            if entry.get("target") != "onnxruntime" or entry.get("status") != "built" or not entry.get("sidecars"):
+        for name, entry in opened.manifest.built().items():
+            if entry.target != "onnxruntime" or not entry.sidecars:
                 continue
             generator = Generator.load(artifact, name)
             ids = [generator.encode(p) for p in PROMPTS]
@@ -129,11 +129,11 @@ def main() -> int:
             folder = str(opened.folder / "variants" / name)
             eos = sorted(generator.eos_ids)
             job["folders"][folder] = {"prompt_ids": ids, "eos": eos, "pad": generator.pad_id}
-            kiln[folder] = {"label": f"{opened.manifest['name']}:{name}", "ids": ids, "tokens": tokens, "eos": eos,
+            kiln[folder] = {"label": f"{opened.manifest.name}:{name}", "ids": ids, "tokens": tokens, "eos": eos,
                             "alone": alone,
-                            "shared": entry["interface"].get("kv_sharing") == "shared-buffer",
-                            "optimum_problem": optimum_problem(opened.manifest, name),
-                            "rope_theta": (opened.manifest["model"]["config"].get("rope_parameters") or {})
+                            "shared": entry.interface.get("kv_sharing") == "shared-buffer",
+                            "optimum_problem": optimum_problem(opened.manifest.document, name),
+                            "rope_theta": (opened.manifest.model.config.get("rope_parameters") or {})
                             .get("rope_theta")}
     job_file = work / "job.json"
     job_file.write_text(json.dumps(job))

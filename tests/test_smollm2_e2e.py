@@ -146,7 +146,7 @@ def test_memory_plan_holds_for_a_real_run(smollm2_artifact):
     assert run.returncode == 0, run.stderr[-2000:]
     measured = int(run.stdout.strip())
     manifest = Artifact.open(smollm2_artifact).manifest
-    planned = variant_plan(manifest, manifest["variants"]["cpu-fp32"], batch=8, context=1024)
+    planned = variant_plan(manifest, manifest.variants["cpu-fp32"], batch=8, context=1024)
     # The target: the planned peak within 15% of the measured one (measured: 1.44 GiB, planned
     # 1.38). Before keep_rows let go of each array as it copied it, growing the buffers to 1024 slots
     # held both caches and runs peaked at 1.68 GiB. The bound the runtime sizes batches by holds it.

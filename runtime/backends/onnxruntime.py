@@ -48,7 +48,7 @@ with the slot checks the exact form the engine is driven in.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -56,6 +56,7 @@ import numpy as np
 
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
+from ..manifest import Manifest, Variant
 from .base import (
     CPU_PROVIDERS,
     ClosesOnExit,
@@ -76,25 +77,25 @@ MIN_ONNXRUNTIME_FOR_OPSET = {17: (1, 13), 18: (1, 14), 19: (1, 16), 20: (1, 17),
 MIN_ONNXRUNTIME_FOR_CONTRIB_OPS = (1, 31)
 
 
-def open_variant(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+def open_variant(folder: Path, entry: Variant, providers: list[str] | None = None,
                  threads: int | None = None, verified: bool = True) -> OnnxRuntimeBackend:
     """A variant's graph for Kiln's CPU kernels where this host runs them (runtime/cpu_kernels.py), else its
     ONNX graph; refused in one line where the variant runs on those kernels alone and they do not run here."""
     library = kernel_library(entry, providers)
     if library is not None:
-        return OnnxRuntimeBackend(folder / entry["kernel_model"], kernel_interface(entry), providers, threads, library)
+        return OnnxRuntimeBackend(folder / entry.kernel_model, kernel_interface(entry), providers, threads, library)
     refused = refusal(entry, providers)
     if refused:
         raise IncompatibleArtifact(refused)
-    return OnnxRuntimeBackend(folder / entry["model"], entry["interface"], providers, threads)
+    return OnnxRuntimeBackend(folder / entry.model, entry.interface, providers, threads)
 
 
-def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> HostFit:
+def host_fit(name: str, entry: Variant, manifest: Manifest) -> HostFit:
     """Whether this host's onnxruntime runs the variant's graph: new enough for its opset and contrib ops."""
-    target = entry.get("target", "?")
-    opset = manifest.get("recipe", {}).get("export", {}).get("opset", 18)
+    target = entry.target
+    opset = manifest.document.get("recipe", {}).get("export", {}).get("opset", 18)
     needed = MIN_ONNXRUNTIME_FOR_OPSET.get(opset, (1, 18))
-    contrib = any(entry.get("fusions", {}).values()) or (entry.get("quantize") or {}).get("mode") in (
+    contrib = any(entry.document.get("fusions", {}).values()) or (entry.quantize or {}).get("mode") in (
         "int8-dynamic", "int4")
     if contrib:
         needed = max(needed, MIN_ONNXRUNTIME_FOR_CONTRIB_OPS)
@@ -110,47 +111,47 @@ def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> Host
                    "" if fits else "upgrade onnxruntime")
 
 
-def refusal(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     """Why this host may not run the variant, known before anything loads; else None."""
     return kernels_required(entry, providers)
 
 
-def kernels_required(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+def kernels_required(entry: Variant, providers: list[str] | None = None) -> str | None:
     """Why this host may not run the variant, where it is for Kiln's CPU kernels alone (the recipe's
     `cpu_kernels: required`: its gates held their graph, not model.onnx's) and they do not run here; else
     None."""
-    if entry.get("cpu_kernels") != "required" or kernel_library(entry, providers) is not None:
+    if entry.cpu_kernels != "required" or kernel_library(entry, providers) is not None:
         return None
     from .. import cpu_kernels
 
     why = (cpu_kernels.library()[1] if (providers or CPU_PROVIDERS) == CPU_PROVIDERS
            else f"the providers asked for ({', '.join(providers or [])}) are not the CPU's")
-    missed = (f"; its model.onnx missed them: {', '.join(entry['model_failed_gates'])}"
-              if entry.get("model_failed_gates") else "")
-    return (f"variant {entry.get('name', '?')!r} runs only on Kiln's CPU kernels (cpu_kernels: required, its gates "
+    missed = (f"; its model.onnx missed them: {', '.join(entry.model_failed_gates)}"
+              if entry.model_failed_gates else "")
+    return (f"variant {entry.name!r} runs only on Kiln's CPU kernels (cpu_kernels: required, its gates "
             f"held their graph{missed}), which do not run here: {why}; pick another variant, or run it where they do "
             "(the CPU provider, an x86-64 CPU with AVX-512 VNNI)")
 
 
-def kernel_library(entry: dict[str, Any], providers: list[str] | None = None) -> Path | None:
+def kernel_library(entry: Variant, providers: list[str] | None = None) -> Path | None:
     """Kiln's CPU kernel library where this host runs the variant's graph for it, else None."""
-    if "kernel_model" not in entry or (providers or CPU_PROVIDERS) != CPU_PROVIDERS:
+    if entry.kernel_model is None or (providers or CPU_PROVIDERS) != CPU_PROVIDERS:
         return None
     from .. import cpu_kernels
 
     return cpu_kernels.library()[0]
 
 
-def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
     """The interface of the graph open_variant runs for the entry on this host (the memory plan's too)."""
-    return kernel_interface(entry) if kernel_library(entry, providers) is not None else entry["interface"]
+    return kernel_interface(entry) if kernel_library(entry, providers) is not None else entry.interface
 
 
-def kernel_interface(entry: dict[str, Any]) -> dict[str, Any]:
+def kernel_interface(entry: Variant) -> dict[str, Any]:
     """The interface of a variant's graph for Kiln's CPU kernels: the variant's, with how it prefills
     (`kernel_prefill`) and its KV cache's type (`kernel_kv_cache`, fp32 where absent)."""
-    interface = {**entry["interface"], "prefill": entry.get("kernel_prefill", "rows")}
-    return with_kv_dtype(interface, entry["kernel_kv_cache"]) if "kernel_kv_cache" in entry else interface
+    interface = {**entry.interface, "prefill": entry.kernel_prefill or "rows"}
+    return with_kv_dtype(interface, entry.kernel_kv_cache) if entry.kernel_kv_cache else interface
 
 
 class KvCache(list):

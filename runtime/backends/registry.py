@@ -14,14 +14,19 @@ has no engine yet and runs, for its checks, on ONNX Runtime.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import IncompatibleArtifact
+from ..manifest import Manifest, Variant
 from .base import CPU_PROVIDERS, Backend, HostFit
+
+if TYPE_CHECKING:
+    from ..artifact import Artifact
 
 
 class Target(StrEnum):
@@ -52,35 +57,34 @@ KINDS = (
 )
 
 
-def kind_of(entry: dict[str, Any]) -> BackendKind:
+def kind_of(entry: Variant) -> BackendKind:
     """The kind of backend that runs a variant's manifest entry."""
-    kind = next((kind for kind in KINDS if kind.manifest_key in entry), None)
+    kind = next((kind for kind in KINDS if getattr(entry, kind.manifest_key) is not None), None)
     if kind is None:
         keys = " or ".join(repr(kind.manifest_key) for kind in KINDS)
-        raise IncompatibleArtifact(f"variant {entry.get('name', '?')!r} names no file to run ({keys}); "
+        raise IncompatibleArtifact(f"variant {entry.name!r} names no file to run ({keys}); "
                                    "recompile the artifact")
     return kind
 
 
-def open_backend(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+def open_backend(folder: Path, entry: Variant, providers: list[str] | None = None,
                  threads: int | None = None, verified: bool = True) -> Backend:
     """The backend a variant's manifest entry calls for on this host (its TensorRT engine, its graph for
     Kiln's CPU kernels where they run here, or its ONNX graph). Close it, or use it in a `with`."""
     return kind_of(entry).load().open_variant(folder, entry, providers, threads, verified)
 
 
-def refusal(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     """Why this host may not run the variant, where that is known before anything loads; else None."""
     return kind_of(entry).load().refusal(entry, providers)
 
 
-def runnable_variant(artifact: Any, name: str | None = None, providers: list[str] | None = None) -> dict[str, Any]:
+def runnable_variant(artifact: Artifact, name: str | None = None, providers: list[str] | None = None) -> Variant:
     """artifact.variant(name) where this host runs it, refused in one line before anything is loaded where
     it does not (a variant for Kiln's CPU kernels alone, and they do not run here); without a name, the
     first built variant this host runs."""
     if name is None:
-        name = next((n for n, e in artifact.manifest["variants"].items()
-                     if e.get("status") == "built" and not refusal(e, providers)), None)
+        name = next((n for n, e in artifact.manifest.built().items() if not refusal(e, providers)), None)
     entry = artifact.variant(name)
     refused = refusal(entry, providers)
     if refused:
@@ -88,30 +92,29 @@ def runnable_variant(artifact: Any, name: str | None = None, providers: list[str
     return entry
 
 
-def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
     """The interface of the graph open_backend runs for the entry on this host (the memory plan's too)."""
     return kind_of(entry).load().served_interface(entry, providers)
 
 
-def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> HostFit:
+def host_fit(name: str, entry: Variant, manifest: Manifest) -> HostFit:
     """Whether this host runs a variant: built, and its kind's own check (runtime versions, the GPU)."""
-    if entry.get("status") != "built":
-        why = entry.get("reason") or ", ".join(entry.get("failed_gates", [])) or entry.get("status", "?")
-        return HostFit(name, entry.get("target", "?"), "-", "-", False, f"{entry.get('status')}: {why}")
+    if not entry.built:
+        return HostFit(name, entry.target, "-", "-", False, f"{entry.status}: {entry.why_not_built()}")
     return kind_of(entry).load().host_fit(name, entry, manifest)
 
 
-def memory_on_host(entry: dict[str, Any], providers: list[str] | None = None) -> bool:
+def memory_on_host(entry: Variant, providers: list[str] | None = None) -> bool:
     """Whether the variant's weights and KV cache would be this host's memory (not a GPU's) when run with
     `providers`: what memory planning plans."""
     return kind_of(entry).memory == "host" and (providers or CPU_PROVIDERS)[0] == CPU_PROVIDERS[0]
 
 
-def runs_on(entry: dict[str, Any]) -> str:
+def runs_on(entry: Variant) -> str:
     return kind_of(entry).runs_on
 
 
-def opens_in_other_tools(entry: dict[str, Any]) -> bool:
+def opens_in_other_tools(entry: Variant) -> bool:
     """Whether the variant's graph is one Optimum and onnxruntime-genai open: an ONNX Runtime graph of an
     onnxruntime target (a TensorRT variant's graph is built for TensorRT's parser)."""
-    return kind_of(entry).opens_in_other_tools and entry.get("target") == Target.ONNXRUNTIME
+    return kind_of(entry).opens_in_other_tools and entry.target == Target.ONNXRUNTIME

@@ -18,6 +18,7 @@ Not run on hardware by this project: no machine it runs on has TensorRT (see doc
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +26,7 @@ import numpy as np
 
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact, KilnError
+from ..manifest import Manifest, Variant
 from .base import ClosesOnExit, HostFit, Limits, expand, rows_of, with_leading_slot, write_right_aligned
 
 
@@ -32,24 +34,24 @@ class ShapeOutsideProfiles(KilnError):
     """A step's shapes fit none of the engine's optimization profiles."""
 
 
-def open_variant(folder: Path, entry: dict[str, Any], providers: list[str] | None = None,
+def open_variant(folder: Path, entry: Variant, providers: list[str] | None = None,
                  threads: int | None = None, verified: bool = True) -> TensorRTBackend:
     """A variant's TensorRT engine on this host's GPU (providers and threads are ONNX Runtime's: unused)."""
     return TensorRTBackend(folder, entry, verified)
 
 
-def refusal(entry: dict[str, Any], providers: list[str] | None = None) -> str | None:
+def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     """Nothing is refused before loading: the engine's host check needs TensorRT and the GPU (host_fit)."""
     return None
 
 
-def served_interface(entry: dict[str, Any], providers: list[str] | None = None) -> dict[str, Any]:
-    return entry["interface"]
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
+    return entry.interface
 
 
-def host_fit(name: str, entry: dict[str, Any], manifest: dict[str, Any]) -> HostFit:
+def host_fit(name: str, entry: Variant, manifest: Manifest) -> HostFit:
     """Whether this host runs the variant's engine: TensorRT's release and the GPU's compute capability."""
-    engine = entry["engine"]
+    engine = entry.engine
     needs = (f"TensorRT {engine['tensorrt_version']}{'+' if engine.get('version_compatible') else ''}, "
              f"compute capability {engine['compute_capability']}"
              + (" or newer (ampere_plus)" if engine.get("hardware_compatibility") == "ampere_plus" else ""))
@@ -153,9 +155,9 @@ def host_gpu() -> tuple[str, str]:
 
 
 class TensorRTBackend(ClosesOnExit):
-    def __init__(self, folder: Path, entry: dict[str, Any], verified: bool) -> None:
+    def __init__(self, folder: Path, entry: Variant, verified: bool) -> None:
         trt, cuda = _import_tensorrt()
-        engine_facts = entry["engine"]
+        engine_facts = entry.engine
         gpu, capability = host_gpu()
         check_host(engine_facts, trt.__version__, capability, gpu)
         self.trt, self.cuda = trt, cuda
@@ -176,7 +178,7 @@ class TensorRTBackend(ClosesOnExit):
                 f"this GPU is {capability})")
         self.context = self.engine.create_execution_context()
         self.stream = cuda.Stream()
-        interface = entry["interface"]
+        interface = entry.interface
         self.profiles = _read_json(folder / Path(engine_facts["file"]).parent / engine_facts["profiles_file"])
         if self.engine.num_optimization_profiles != len(self.profiles):
             raise IncompatibleArtifact(

@@ -61,9 +61,9 @@ def _exported(tiny_artifacts, tiny_checkpoints, family) -> OnnxArtifact:
     from compiler.families import shapes_of
 
     entry = Artifact.open(tiny_artifacts[family]).variant("cpu-fp32-unfused")
-    model = tiny_artifacts[family] / entry["model"]
+    model = tiny_artifacts[family] / entry.model
     shapes = shapes_of(AutoConfig.from_pretrained(tiny_checkpoints[family]))
-    return OnnxArtifact(model.parent, entry["interface"], shapes, 0, [model.name])
+    return OnnxArtifact(model.parent, entry.interface, shapes, 0, [model.name])
 
 
 def test_fusion_counts_and_interface(tiny_artifacts, family):
@@ -102,7 +102,7 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
 
 def test_shared_buffer_is_written_in_place(tiny_artifacts):
     entry = Artifact.open(tiny_artifacts["llama"]).variant("cpu-fp32")
-    backend = OnnxRuntimeBackend(tiny_artifacts["llama"] / entry["model"], entry["interface"])
+    backend = OnnxRuntimeBackend(tiny_artifacts["llama"] / entry.model, entry.interface)
     cache = backend.new_cache(2, 16)
     ids = np.array([[5, 6, 7], [0, 8, 9]])
     mask = np.array([[1, 1, 1], [0, 1, 1]])
@@ -138,7 +138,7 @@ def test_rotary_folds_into_attention_only_where_it_gives_the_same_numbers(tiny_a
     from compiler.optimize import GENAI_MODEL_FILE, fold_rotary
 
     entry = Artifact.open(tiny_artifacts["llama"]).variant("cpu-fp32")
-    variant = tiny_artifacts["llama"] / entry["model"]
+    variant = tiny_artifacts["llama"] / entry.model
     shapes = shapes_of(AutoConfig.from_pretrained(tiny_checkpoints["llama"]))
 
     def unfolded(name: str) -> OnnxArtifact:
@@ -146,7 +146,7 @@ def test_rotary_folds_into_attention_only_where_it_gives_the_same_numbers(tiny_a
         folder.mkdir()
         shutil.copyfile(variant.parent / GENAI_MODEL_FILE, folder / "model.onnx")
         shutil.copyfile(variant.parent / "model.onnx.data", folder / "model.onnx.data")
-        return OnnxArtifact(folder, entry["interface"], shapes, 0, ["model.onnx", "model.onnx.data"])
+        return OnnxArtifact(folder, entry.interface, shapes, 0, ["model.onnx", "model.onnx.data"])
 
     graph = unfolded("good")
     folded, count = fold_rotary(graph, tmp_path / "good-folded", exact=True)
@@ -173,7 +173,7 @@ def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, f
     assert all(not n.domain for n in onnx.load(str(graph.model_path)).graph.node)
     fused = Artifact.open(tiny_artifacts[family]).variant("cpu-fp32")
     with pytest.raises(TensorRTIncompatible, match="com.microsoft::GroupQueryAttention .domain com.microsoft"):
-        check_tensorrt_graph(ir.load(str(tiny_artifacts[family] / fused["model"])))
+        check_tensorrt_graph(ir.load(str(tiny_artifacts[family] / fused.model)))
     assert compare_graphs(exported, graph)["max_abs_logit_error"] == 0.0
 
 
@@ -299,7 +299,7 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
 
     folder = tiny_artifacts[family]
     entry = Artifact.open(folder).variant("cpu-fp32")
-    graph = onnx.load(str(folder / entry["model"]), load_external_data=False)
+    graph = onnx.load(str(folder / entry.model), load_external_data=False)
     # A sliding window (Mistral, Starcoder2, Gemma 2) or a softcap (Gemma 2) stays ONNX Runtime's
     taken = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention" and not any(
         (a.name == "local_window_size" and a.i != -1) or (a.name == "softcap" and a.f != 0) for a in n.attribute)]
@@ -323,11 +323,11 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
         assert "kernel_model" not in entry
         pytest.skip(f"the kernels' graph is checked where Kiln's CPU kernels run: {why}")
     assert matmuls
-    assert entry["kernel_model"] == "variants/cpu-fp32/model_kernels.onnx"
-    assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry["files"]  # no packed weights
+    assert entry.kernel_model == "variants/cpu-fp32/model_kernels.onnx"
+    assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry.files  # no packed weights
     every = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
-    assert (entry.get("kernel_prefill") == "batched") == (len(taken) == len(every) > 0)  # each row as alone
-    kernels = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)
+    assert (entry.kernel_prefill == "batched") == (len(taken) == len(every) > 0)  # each row as alone
+    kernels = onnx.load(str(folder / entry.kernel_model), load_external_data=False)
     ours = [(n.domain, n.op_type) for n in kernels.graph.node]
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(taken)
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.SWIGLU_OP)) == len(swiglus)
@@ -336,7 +336,7 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     assert [n for n in ours if n[0] != cpu_kernels.DOMAIN] == [
         (n.domain, n.op_type) for n in graph.graph.node if n not in taken + replaced + matmuls]
 
-    undone = onnx.load(str(folder / entry["kernel_model"]), load_external_data=False)  # ONNX's MatMuls again
+    undone = onnx.load(str(folder / entry.kernel_model), load_external_data=False)  # ONNX's MatMuls again
     nodes = list(undone.graph.node)
     undone.graph.ClearField("node")
     for node in nodes:
@@ -352,11 +352,11 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     shutil.copy(folder / "variants" / "cpu-fp32" / "model.onnx.data", tmp_path)  # ONNX Runtime follows no link out
 
     exported = _exported(tiny_artifacts, tiny_checkpoints, family)  # for the model's shapes
-    reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry["interface"], exported.shapes, 0, ["model.onnx"])
+    reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry.interface, exported.shapes, 0, ["model.onnx"])
     steps = _greedy_steps(reference, seed=3)
-    backends = [OnnxRuntimeBackend(reference.model_path, entry["interface"]),
-                OnnxRuntimeBackend(folder / entry["kernel_model"], entry["interface"], kernels=library),
-                OnnxRuntimeBackend(tmp_path / "model_undone.onnx", entry["interface"], kernels=library)]
+    backends = [OnnxRuntimeBackend(reference.model_path, entry.interface),
+                OnnxRuntimeBackend(folder / entry.kernel_model, entry.interface, kernels=library),
+                OnnxRuntimeBackend(tmp_path / "model_undone.onnx", entry.interface, kernels=library)]
     for front_aligned in (True, False):  # each layout against model.onnx in the same layout
         caches = []
         for backend in backends:

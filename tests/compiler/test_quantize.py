@@ -309,7 +309,7 @@ def test_a_variant_for_the_kernels_alone_is_gated_on_their_graph(quantized, tiny
             Generator.load(folder, "int4-kernels")
         assert "runs only on Kiln's CPU kernels" in str(refused.value) and "KILN_CPU_KERNELS=0" in str(refused.value)
         assert "kl_divergence" in str(refused.value) and "\n" not in str(refused.value)
-        assert runnable_variant(Artifact.open(folder))["name"] == "cpu-fp32"  # the default: one this host runs
+        assert runnable_variant(Artifact.open(folder)).name == "cpu-fp32"  # the default: one this host runs
         assert Generator.load(folder).backend.kernels is None
         off = {**os.environ, cpu_kernels.DISABLE_VARIABLE: "0"}
         for command in (["runtime.cli", f"{folder}", "--variant", "int4-kernels", "--prompt", "Hi"],

@@ -26,6 +26,7 @@ from runtime.backends.registry import open_backend
 from runtime.backends.tensorrt import ShapeOutsideProfiles, check_host, pick_profile
 from runtime.errors import IncompatibleArtifact
 from runtime.generator import Generator, left_padded
+from runtime.manifest import Variant
 from tests.conftest import write_recipe
 
 HAS_TENSORRT = importlib.util.find_spec("tensorrt") is not None
@@ -187,8 +188,8 @@ def test_run_model_on_a_skipped_engine_fails_in_one_line(trt_artifact):
 
 @pytest.mark.skipif(HAS_TENSORRT, reason="checks the refusal on a host without TensorRT")
 def test_engine_backend_without_tensorrt_is_one_clear_error(trt_artifact):
-    entry = Artifact.open(trt_artifact).manifest["variants"]["trt-fp32"]
-    engine_entry = {**entry, "engine": {**ENGINE, "file": "variants/trt-fp32/engine.plan"}}
+    entry = Artifact.open(trt_artifact).manifest.variants["trt-fp32"]
+    engine_entry = Variant.of(entry.name, {**entry.document, "engine": {**ENGINE, "file": "variants/trt-fp32/engine.plan"}})
     with pytest.raises(IncompatibleArtifact, match="this variant is a TensorRT engine and this host cannot run it"):
         open_backend(trt_artifact, engine_entry)
 

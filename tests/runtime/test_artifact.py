@@ -72,7 +72,7 @@ def test_an_artifact_of_variants_that_missed_their_gates_names_them(tiny_artifac
     with pytest.raises(IncompatibleArtifact, match="no variant 'gpu'; the artifact holds no built variant; variants "
                                                    "that missed their gates load only when named: cpu-fp32"):
         artifact.variant("gpu")
-    assert artifact.variant("cpu-fp32")["name"] == "cpu-fp32"
+    assert artifact.variant("cpu-fp32").name == "cpu-fp32"
 
 def test_prompts_file_and_chat(tiny_artifacts, tmp_path):
     prompts = tmp_path / "p.jsonl"

@@ -9,21 +9,26 @@ from runtime.artifact import Artifact
 from runtime.backends import Backend, kind_of, open_backend, runnable_variant
 from runtime.backends.registry import KINDS, host_fit, memory_on_host, opens_in_other_tools
 from runtime.errors import IncompatibleArtifact
+from runtime.manifest import Variant
+
+
+def entry(**keys) -> Variant:
+    return Variant.of("v", {"status": "built", **keys})
 
 
 def test_an_entry_with_an_engine_is_tensorrts_and_one_with_a_graph_onnxruntimes():
-    assert kind_of({"engine": {}, "model": "variants/v/model.onnx"}).name == "tensorrt"
-    assert kind_of({"model": "variants/v/model.onnx", "target": "tensorrt"}).name == "onnxruntime"
-    assert not memory_on_host({"engine": {}}) and memory_on_host({"model": "m"})
-    assert not memory_on_host({"model": "m"}, ["CUDAExecutionProvider"])
+    assert kind_of(entry(engine={}, model="variants/v/model.onnx")).name == "tensorrt"
+    assert kind_of(entry(model="variants/v/model.onnx", target="tensorrt")).name == "onnxruntime"
+    assert not memory_on_host(entry(engine={})) and memory_on_host(entry(model="m"))
+    assert not memory_on_host(entry(model="m"), ["CUDAExecutionProvider"])
     # a TensorRT variant's graph (compiled without a GPU: no engine yet) is no graph for other tools
-    assert not opens_in_other_tools({"model": "m", "target": "tensorrt"})
-    assert opens_in_other_tools({"model": "m", "target": "onnxruntime"})
+    assert not opens_in_other_tools(entry(model="m", target="tensorrt"))
+    assert opens_in_other_tools(entry(model="m", target="onnxruntime"))
 
 
 def test_an_entry_naming_no_file_is_refused_in_one_line():
     with pytest.raises(IncompatibleArtifact) as refused:
-        kind_of({"name": "v"})
+        kind_of(entry())
     assert "\n" not in str(refused.value) and "'engine' or 'model'" in str(refused.value)
 
 
@@ -35,9 +40,9 @@ def test_every_kind_has_the_functions_the_registry_calls():
 
 
 def test_an_engine_on_a_host_without_tensorrt_does_not_fit():
-    entry = {"status": "built", "target": "tensorrt", "model": "m",
-             "engine": {"file": "e.plan", "tensorrt_version": "10.8.0", "compute_capability": "9.0"}}
-    fit = host_fit("gpu-fp16", entry, {})
+    engine = entry(target="tensorrt", model="m",
+                   engine={"file": "e.plan", "tensorrt_version": "10.8.0", "compute_capability": "9.0"})
+    fit = host_fit("gpu-fp16", engine, None)
     assert fit.target == "tensorrt" and not fit.fits
 
 

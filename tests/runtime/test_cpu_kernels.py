@@ -125,8 +125,10 @@ def test_a_graph_with_bf16_activations_runs_wherever_the_library_does(monkeypatc
     """Without AVX-512 BF16 the bf16 op runs on FMAs (the same numbers: below), so a variant's kernels'
     graph is run on any host the library runs on; KILN_CPU_KERNELS_BF16=fma takes that path here too."""
     from runtime.backends.onnxruntime import kernel_library
+    from runtime.manifest import Variant
 
-    entry = {"kernel_model": "variants/v/model_kernels.onnx", "kernel_activations": cpu_kernels.BF16_ACTIVATIONS}
+    entry = Variant.of("v", {"status": "built", "kernel_model": "variants/v/model_kernels.onnx",
+                             "kernel_activations": cpu_kernels.BF16_ACTIVATIONS})
     monkeypatch.setenv(cpu_kernels.BF16_PATH_VARIABLE, "fma")
     assert cpu_kernels.bf16() is False
     assert kernel_library(entry) == LIBRARY

@@ -351,7 +351,7 @@ def test_a_padded_first_prefill_gives_each_row_its_numbers_alone(tiny_artifacts,
     generator = Generator.load(tiny_artifacts[family], "cpu-fp32")
     backend = generator.backend
     assert backend.front_aligned
-    batched = generator.artifact.variant("cpu-fp32").get("kernel_prefill") == "batched"
+    batched = generator.artifact.variant("cpu-fp32").kernel_prefill == "batched"
     assert backend.rows_alike_in_prompts == (batched and backend.kernels is not None)
     rng = np.random.default_rng(len(family))
     # 33 tokens alone end in a query block of one row (the tiny models' head size 16: blocks of 32)

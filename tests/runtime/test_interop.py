@@ -81,10 +81,10 @@ def test_sidecars_are_listed_hashed_and_read_by_transformers(tiny_artifacts, tin
     from transformers import AutoConfig, AutoTokenizer
 
     opened = Artifact.open(tiny_artifacts[family])
-    files = opened.manifest["files"]
+    files = opened.manifest.files
     original = AutoConfig.from_pretrained(tiny_checkpoints[family])
     for variant in VARIANTS:
-        sidecars = opened.manifest["variants"][variant]["sidecars"]
+        sidecars = opened.manifest.variants[variant].sidecars
         assert {f"variants/{variant}/{n}" for n in ("config.json", "genai_config.json", "tokenizer.json")} <= \
             set(sidecars) <= set(files)
         folder = opened.folder / "variants" / variant
@@ -118,7 +118,7 @@ def test_export_for_writes_a_folder_the_tool_opens(tiny_artifacts, tmp_path):
     out = tmp_path / "genai"
     result = _kiln("export-for", "genai", f"{artifact}:cpu-fp32-unfused", out)
     assert result.returncode == 0, result.stderr
-    kernels = ["model_kernels.onnx"] * ("kernel_model" in Artifact.open(artifact).variant("cpu-fp32-unfused"))
+    kernels = ["model_kernels.onnx"] * (Artifact.open(artifact).variant("cpu-fp32-unfused").kernel_model is not None)
     assert sorted(p.name for p in out.iterdir()) == sorted(  # the kernels' graph, for its fp32 MatMuls, goes along
         ["model.onnx", "model.onnx.data", "genai_config.json", "tokenizer.json", "tokenizer_config.json",
          "chat_template.jinja", "generation_config.json", *kernels])
@@ -192,7 +192,7 @@ def test_polygraphy_runs_with_the_printed_shapes(tiny_artifacts):
     ("batch=1,seq=4,past=4,capacity=6", "capacity 6 is under past + seq = 8"),
 ])
 def test_bad_sizes_say_what_to_write(tiny_artifacts, sizes, error):
-    interface = Artifact.open(tiny_artifacts["llama"], verify=False).variant("cpu-fp32")["interface"]
+    interface = Artifact.open(tiny_artifacts["llama"], verify=False).variant("cpu-fp32").interface
     with pytest.raises(ValueError, match=re.escape(error)):
         input_shapes(interface, parse_sizes(sizes))
     result = _kiln("inspect", f"{tiny_artifacts['llama']}:cpu-fp32", "--polygraphy-shapes", sizes)

@@ -36,14 +36,14 @@ def artifact(tiny_checkpoints, tmp_path_factory):
 def test_the_kernels_graph_holds_an_fp16_cache_and_model_onnx_an_fp32_one(artifact):
     opened = Artifact.open(artifact)
     entry, fp32 = opened.variant(HALF), opened.variant("cpu-fp32")
-    assert entry["kernel_kv_cache"] == "float16" and "kernel_kv_cache" not in fp32
-    assert entry["kernel_accuracy"]["top1_agreement"] >= 0.98  # measured against eager, under the gates
-    kernels = onnx.load(str(artifact / entry["kernel_model"]), load_external_data=False)
+    assert entry.kernel_kv_cache == "float16" and fp32.kernel_kv_cache is None
+    assert entry.document["kernel_accuracy"]["top1_agreement"] >= 0.98  # measured against eager, under the gates
+    kernels = onnx.load(str(artifact / entry.kernel_model), load_external_data=False)
     attentions = [n for n in kernels.graph.node if n.domain == cpu_kernels.DOMAIN and "Attention" in n.op_type]
     assert attentions and {n.op_type for n in attentions} == {cpu_kernels.ATTENTION_FP16_CACHE_OP}
     caches = [v for v in [*kernels.graph.input, *kernels.graph.output] if "key" in v.name or "value" in v.name]
     assert caches and {v.type.tensor_type.elem_type for v in caches} == {onnx.TensorProto.FLOAT16}
-    standard = onnx.load(str(artifact / entry["model"]), load_external_data=False)
+    standard = onnx.load(str(artifact / entry.model), load_external_data=False)
     assert {v.type.tensor_type.elem_type for v in standard.graph.input if "key" in v.name} == {onnx.TensorProto.FLOAT}
     # The plan counts the cache the host holds: half the bytes a token; on another provider, model.onnx's.
     assert variant_plan(opened.manifest, entry, 8).kv_bytes_per_token * 2 == \

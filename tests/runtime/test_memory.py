@@ -22,21 +22,21 @@ def kiln(*args):
 
 def test_compile_measures_each_variant(tiny_artifacts, family):
     manifest = Artifact.open(tiny_artifacts[family]).manifest
-    for entry in manifest["variants"].values():
-        measured = entry["memory"]
+    for entry in manifest.variants.values():
+        measured = entry.memory
         assert measured["weights_bytes"] > 0 and measured["baseline_bytes"] > 10 * memory.MIB
         assert measured["activation_bytes_per_token"] > 0
 
 
 def test_kv_cache_is_what_the_runtime_allocates(tiny_artifacts):
     manifest = Artifact.open(tiny_artifacts["llama"]).manifest
-    entry = manifest["variants"]["cpu-fp32"]
-    interface = entry["interface"]  # tiny Llama: 2 layers, 2 kv heads, head_dim 16, fp32
+    entry = manifest.variants["cpu-fp32"]
+    interface = entry.interface  # tiny Llama: 2 layers, 2 kv heads, head_dim 16, fp32
     per_token = 2 * interface["layers"] * interface["kv_heads"] * interface["head_dim"] * 4
     planned = memory.variant_plan(manifest, entry, batch=8, context=100)
     assert planned.kv_bytes_per_token == per_token and planned.kv_bytes_per_sequence == 100 * per_token
     assert planned.kv_bytes == 8 * 100 * per_token  # shared buffers: held once
-    unfused = memory.variant_plan(manifest, manifest["variants"]["cpu-fp32-unfused"], batch=8, context=100)
+    unfused = memory.variant_plan(manifest, manifest.variants["cpu-fp32-unfused"], batch=8, context=100)
     assert unfused.kv_bytes == 2 * 8 * 100 * per_token  # past and present both alive during a step
     assert planned.bound_bytes == planned.peak_bytes + 8 * 100 * per_token
     # What the engine really holds: shared buffers never grow past the max context.
@@ -44,27 +44,27 @@ def test_kv_cache_is_what_the_runtime_allocates(tiny_artifacts):
     for _ in generator.stream([[5] * 20] * 8, SamplingParams(max_new_tokens=200, ignore_eos=True)):
         cache = generator.engine.running.cache if generator.engine.running else None
         if cache is not None:
-            assert cache.capacity <= manifest["model"]["max_context"]
+            assert cache.capacity <= manifest.model.max_context
             assert cache[0].nbytes * len(cache) <= 8 * memory.variant_plan(
-                manifest, entry, 8, manifest["model"]["max_context"]).kv_bytes_per_sequence
+                manifest, entry, 8, manifest.model.max_context).kv_bytes_per_sequence
 
 
 def test_largest_batch_and_context_fit_and_one_more_does_not(tiny_artifacts):
     manifest = Artifact.open(tiny_artifacts["llama"]).manifest
-    entry = manifest["variants"]["cpu-fp32"]
+    entry = manifest.variants["cpu-fp32"]
 
     def bound(batch, context):
         return memory.variant_plan(manifest, entry, batch, context).bound_bytes
 
     # Budgets between two plans, since the baseline in them is measured and differs from machine to machine.
     budget = (bound(10, 128) + bound(11, 128)) // 2
-    most = memory.largest_batch(entry["interface"], entry["memory"], budget, 128)
+    most = memory.largest_batch(entry.interface, entry.memory, budget, 128)
     assert most == 10 and bound(most, 128) <= budget < bound(most + 1, 128)
     budget = (bound(512, 64) + bound(512, 128)) // 2
-    longest = memory.largest_context(entry["interface"], entry["memory"], budget, 512, 128)
+    longest = memory.largest_context(entry.interface, entry.memory, budget, 512, 128)
     assert 64 <= longest < 128
     assert bound(512, longest) <= budget < bound(512, longest + 1)
-    assert memory.largest_context(entry["interface"], entry["memory"], bound(1, 1) - 1, 1, 128) == 0
+    assert memory.largest_context(entry.interface, entry.memory, bound(1, 1) - 1, 1, 128) == 0
 
 
 def test_kiln_plan_prints_and_exits_by_the_verdict(tiny_artifacts):

@@ -124,7 +124,7 @@ def test_rollback_switches_back_and_forth(tiny_artifacts, tmp_path):
     result = cli("rollback", "--into", srv)
     assert result.exit_code == 0, result.output
     assert (srv / "current").resolve() == v1 and (srv / "previous").resolve() == v2
-    assert Artifact.open(srv / "current").manifest["name"] == "tiny-llama"
+    assert Artifact.open(srv / "current").manifest.name == "tiny-llama"
     assert rollback(srv) == v2 and (srv / "current").resolve() == v2
     assert install(second, srv) == v2  # the same archive again: nothing to switch
     (tmp_path / "empty").mkdir()

@@ -13,7 +13,7 @@ from tests.compiler.test_optimize import _exported
 
 def _attention_nodes(artifact) -> list:
     entry = Artifact.open(artifact).variant("cpu-fp32")
-    graph = onnx.load(str(artifact / entry["model"])).graph
+    graph = onnx.load(str(artifact / entry.model)).graph
     return [n for n in graph.node if n.op_type == "GroupQueryAttention"]
 
 
