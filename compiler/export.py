@@ -21,7 +21,7 @@ import io
 import logging
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,32 +30,12 @@ import numpy as np
 from .errors import ExportError
 from .families import Shapes, shapes_of
 from .fp32_compute import stop_computing_in_fp32
+from .graph import MODEL_FILE, OnnxArtifact, saved_graph
 from .load import Checkpoint
 from .recipe import ExportSpec
 
-MODEL_FILE = "model.onnx"
-# Every graph keeps its weights beside it, in model.onnx.data: written tensor by tensor, never
-# serialized whole in memory (protobuf could not hold over 2 GiB anyway), and ONNX Runtime maps
-# them from the file rather than copying them out of the graph's bytes (a 1.9 GB graph: 2.47 GiB
-# resident once loaded from one file, 1.82 GiB from two).
-DATA_FILE = MODEL_FILE + ".data"
 SCRATCH_WEIGHTS_FILE = "weights.scratch"  # the model's weights while it is traced without them
 INPUTS = ("input_ids", "attention_mask", "position_ids")
-
-
-@dataclass(frozen=True)
-class OnnxArtifact:
-    """An exported graph on disk plus the interface the runtime reads from the manifest."""
-
-    folder: Path
-    interface: dict[str, Any]
-    shapes: Shapes
-    node_count: int
-    files: list[str] = field(default_factory=list)
-
-    @property
-    def model_path(self) -> Path:
-        return self.folder / MODEL_FILE
 
 
 def kv_names(layers: int, prefix: str) -> list[str]:
@@ -330,52 +310,6 @@ def _replace_tensors(module: Any, make: Callable[[str, Any], Any]) -> None:
                     made[id(tensor)] = (torch.nn.Parameter(new, tensor.requires_grad)
                                         if isinstance(tensor, torch.nn.Parameter) else new)
                 table[key] = made[id(tensor)]
-
-
-def saved_graph(folder: Path, interface: dict[str, Any], shapes: Shapes) -> OnnxArtifact:
-    """The graph just saved in `folder` (model.onnx, and model.onnx.data where it has weights), its
-    model file finished by finish_model_file."""
-    files = [MODEL_FILE] + ([DATA_FILE] if (folder / DATA_FILE).exists() else [])
-    return OnnxArtifact(folder, interface, shapes, finish_model_file(folder / MODEL_FILE), files)
-
-
-def finish_model_file(path: Path) -> int:
-    """Lower the IR version to the least the opset needs: onnxruntime-gpu lags the CPU package and
-    refuses newer IR versions. Only the graph proto is rewritten; external weights stay untouched."""
-    import onnx
-
-    proto = onnx.load(str(path), load_external_data=False)
-    # Only the standard domains have IR requirements onnx knows; contrib domains add none.
-    standard = [o for o in proto.opset_import if o.domain in ("", "ai.onnx", "ai.onnx.ml")]
-    lowest = onnx.helper.find_min_ir_version_for(standard)
-    proto.ir_version = max(lowest, 8)  # IR 8 is the first with the model-local functions the exporter may emit
-    proto.producer_name = "kiln"
-    onnx.save(proto, str(path))
-    # onnx's checker knows standard ops only; graphs with ONNX Runtime contrib ops (some of them in the
-    # default domain) are checked by loading them into ONNX Runtime instead, which every stage does.
-    if all(onnx.defs.has(node.op_type, node.domain) for node in proto.graph.node):
-        onnx.checker.check_model(str(path))
-    return len(proto.graph.node)
-
-
-def save_model(model: Any, folder: Path) -> None:
-    """An onnx_ir model as folder/model.onnx with its weights in model.onnx.data (before saved_graph).
-    Weights mapped from another graph's data file are copied in chunks."""
-    import onnx_ir as ir
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / DATA_FILE).unlink(missing_ok=True)
-    ir.save(model, str(folder / MODEL_FILE), external_data=DATA_FILE)
-
-
-def save_proto(proto: Any, folder: Path, name: str = MODEL_FILE) -> None:
-    """An onnx ModelProto as folder/name with its weights in name.data (before saved_graph).
-    onnx writes the weights one by one and drops each from `proto` once written: `proto` keeps none."""
-    import onnx
-
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / (name + ".data")).unlink(missing_ok=True)  # onnx appends to an existing data file
-    onnx.save(proto, str(folder / name), save_as_external_data=True, location=name + ".data")
 
 
 @contextlib.contextmanager

@@ -23,6 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from .graph import load_structure, save_proto, save_structure
+
 CONTINUATION_TOKENS = 64  # each calibration prompt is extended with the fp32 graph's own greedy text
 LAZY_BLOCK = 128  # input features rounded before their errors are pushed to the rest in one product
 DAMPING = 0.01  # of H's mean diagonal, added to its diagonal: H from a few thousand tokens is singular
@@ -63,18 +65,18 @@ def activations(proto: Any, names: set[str], interface: dict[str, Any], sequence
     from runtime.backends.base import expand
 
     if isinstance(proto, Path):
-        graph = onnx.load(str(proto), load_external_data=False)
+        graph = load_structure(proto)
         path = proto.with_name(f".activations-{os.getpid()}.onnx")  # its weights' paths are relative
-        external: dict[str, Any] = {}
     else:
         graph = onnx.ModelProto()
         graph.CopyFrom(proto)
-        work.mkdir(parents=True, exist_ok=True)
         path = work / "activations.onnx"
-        external = {"save_as_external_data": True, "location": path.name + ".data"}
     declared = {o.name for o in graph.graph.output}
     graph.graph.output.extend(onnx.ValueInfoProto(name=name) for name in sorted(names - declared))
-    onnx.save(graph, str(path), **external)
+    if isinstance(proto, Path):
+        save_structure(graph, path)
+    else:
+        save_proto(graph, work, path.name)
     del graph
     options = ort.SessionOptions()
     options.log_severity_level = 3

@@ -29,25 +29,28 @@ from runtime.backends.registry import Target
 from runtime.files import link_or_copy
 
 from .errors import ExportMismatch
-from .export import (
+from .export import forget_matched_graphs, small_constants_kept
+from .fusions import ONNXRUNTIME_RULES, PACK_MATMULS, ROTARY_IN_ATTENTION, group_query_attention
+from .graph import (
     MODEL_FILE,
     OnnxArtifact,
-    forget_matched_graphs,
+    append_external,
+    initializer_array,
+    load_ir,
+    load_structure,
     save_model,
+    save_structure,
     saved_graph,
-    small_constants_kept,
 )
-from .fusions import ONNXRUNTIME_RULES, group_query_attention, pack_matmuls, rotary_in_attention
 from .progress import release_freed_memory
 from .tensorrt_check import check_tensorrt_graph
 from .validate_export import RELATIVE_TOLERANCE
 
 
 def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> tuple[OnnxArtifact, dict[str, Any]]:
-    import onnx_ir as ir
     from onnxscript import optimizer
 
-    model = ir.load(str(exported.model_path))
+    model = load_ir(exported.model_path)
     nodes_before = len(model.graph)
     with small_constants_kept():
         optimizer.optimize(model)
@@ -101,10 +104,9 @@ def _op_counts(model: Any) -> Counter:
 def pack(graph: OnnxArtifact, folder: Path) -> tuple[OnnxArtifact, int]:
     """The pack_matmuls rule on a variant's finished graph (after quantize, so that each layer's
     precision is decided first): the packed graph in `folder`, and how many MatMuls it removed."""
-    import onnx_ir as ir
 
-    model = ir.load(str(graph.model_path))  # weights stay on disk until the save copies them over
-    removed = pack_matmuls.apply(model)
+    model = load_ir(graph.model_path)  # weights stay on disk until the save copies them over
+    removed = PACK_MATMULS.apply(model)
     if not removed:
         return graph, 0
     save_model(model, folder)
@@ -126,17 +128,16 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
     rounds differently: int8 activations turn that rounding into other logits (0.7 apart on SmolLM2's
     int8, the same top-1 and perplexity), so a quantized graph leaves that layout to its fp32 twin's
     check (tests/compiler/test_optimize.py runs it for every family)."""
-    import onnx
 
-    proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
-    result = rotary_in_attention.apply(proto)
+    proto = load_structure(graph.model_path)  # the graph alone: no weight moves
+    result = ROTARY_IN_ATTENTION.apply(proto)
     count, why = result if isinstance(result, tuple) else (result, "")
     if not count:
         return graph, why
     folder.mkdir(parents=True)
     for name in graph.files[1:]:  # the weights: one file on disk under both folders
         link_or_copy(graph.folder / name, folder / name)
-    onnx.save(proto, str(folder / MODEL_FILE))
+    save_structure(proto, folder / MODEL_FILE)
     del proto
     folded = saved_graph(folder, graph.interface, graph.shapes)
     try:
@@ -186,7 +187,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
 
     from runtime.cpu_kernels import ATTENTION_OP, DOMAIN, KERNEL_DATA_FILE
 
-    proto = onnx.load(str(graph.model_path), load_external_data=False)  # the graph alone: no weight moves
+    proto = load_structure(graph.model_path)  # the graph alone: no weight moves
     initializers = {i.name: i for i in proto.graph.initializer}
     producers = {output: node for node in proto.graph.node for output in node.output}
     graph_inputs = {i.name for i in proto.graph.input}
@@ -225,7 +226,7 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     _drop_unread(proto, eligible, initializers, replaced)
     proto.opset_import.append(onnx.helper.make_opsetid(DOMAIN, 1))
     interface = _kernel_graph_interface(proto, graph.interface, eligible, attentions, kv_cache, activations)
-    onnx.save(proto, str(folder / MODEL_FILE))
+    save_structure(proto, folder / MODEL_FILE)
     built = saved_graph(folder, interface, graph.shapes)
     return dataclasses.replace(built, files=[*built.files, *[KERNEL_DATA_FILE] * bool(eligible)]), \
         len(eligible) + len(attentions) + len(swiglus) + len(fp32_matmuls)
@@ -275,7 +276,7 @@ def _swap_block_matmuls(proto: Any, eligible: list, gated: dict[str, Any], initi
 
     with open(folder / KERNEL_DATA_FILE, "wb") if eligible else contextlib.nullcontext() as data:
         for number, (node, made) in enumerate(eligible):
-            weights = [_initializer_array(initializers[name], source) if name else None
+            weights = [initializer_array(initializers[name], source) if name else None
                        for name in [*node.input[1:4], ""][:3]]
             if node.name in gated:  # tiles alternate gate and up
                 half = made.n // 2
@@ -286,13 +287,7 @@ def _swap_block_matmuls(proto: Any, eligible: list, gated: dict[str, Any], initi
             bf16 = made.bits == 4 and activations == "bf16"
             if bf16:
                 packed = cpu_kernels.bf16_layout(packed, made.k)
-            data.write(b"\0" * (-data.tell() % 4096))
-            tensor = onnx.TensorProto(name=f"int{made.bits}_blocks.{number}.{node.name}",
-                                      data_type=onnx.TensorProto.UINT8, dims=[packed.size],
-                                      data_location=onnx.TensorProto.EXTERNAL)
-            for key, value in (("location", KERNEL_DATA_FILE), ("offset", data.tell()), ("length", packed.size)):
-                tensor.external_data.add(key=key, value=str(value))
-            data.write(packed.tobytes())
+            tensor = append_external(data, KERNEL_DATA_FILE, f"int{made.bits}_blocks.{number}.{node.name}", packed)
             proto.graph.initializer.append(tensor)
             replaced.update(name for name in node.input[1:4] if name)
             node.domain, node.op_type = DOMAIN, cpu_kernels.INT4_BF16_OP if bf16 else made.op
@@ -554,20 +549,6 @@ def _names_read(graph: Any) -> set[str]:
             for subgraph in [attribute.g] * attribute.HasField("g") + list(attribute.graphs):
                 names |= _names_read(subgraph)
     return names
-
-
-def _initializer_array(tensor: Any, folder: Path) -> np.ndarray:
-    """An initializer's values, read from its external file where it has one (onnx's own reader refuses
-    the hard links that let a variant's graphs share one weights file)."""
-    import onnx
-    from onnx import numpy_helper
-
-    if tensor.data_location != onnx.TensorProto.EXTERNAL:
-        return numpy_helper.to_array(tensor)
-    where = {entry.key: entry.value for entry in tensor.external_data}
-    dtype = onnx.helper.tensor_dtype_to_np_dtype(tensor.data_type)
-    offset = int(where.get("offset", 0))
-    return np.fromfile(folder / where["location"], dtype, int(np.prod(tensor.dims)), offset=offset).reshape(tensor.dims)
 
 
 # -- the numerical check: the runtime's backend on both graphs ------------------------------------

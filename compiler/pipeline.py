@@ -31,7 +31,8 @@ from runtime.memory import free_host_memory
 from .accuracy import Run, reference_run
 from .compare import Side, eager_side, read_inputs
 from .errors import CompileProcessError, GateFailure, InsufficientDisk, InsufficientMemory, OutputError, RecipeError
-from .export import OnnxArtifact, export
+from .export import export
+from .graph import OnnxArtifact
 from .load import Checkpoint, attention_for_export, fp32_weight_bytes, load_checkpoint, preflight, vocab_size
 from .package import (
     model_facts,

@@ -53,7 +53,7 @@ import numpy as np
 from runtime.backends.registry import Target
 
 from .errors import ExportError
-from .export import MODEL_FILE, OnnxArtifact, save_proto, saved_graph
+from .graph import MODEL_FILE, OnnxArtifact, load_structure, load_weights, save_proto, save_structure, saved_graph
 from .recipe import Variant
 from .smoothing import smooth
 from .weights import lm_head, logits_writer, weight_matmuls
@@ -84,7 +84,6 @@ Made = tuple[dict[str, Any], list[str], dict[str, Any]]
 def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[int]], folder: Path
              ) -> tuple[OnnxArtifact, dict[str, Any]]:
     """Return the quantized graph in `folder`, and a report of what was quantized and what was kept."""
-    import onnx
 
     mode = variant.quantize.mode if variant.quantize else None
     make = QUANTIZERS[(variant.precision, mode)]
@@ -92,10 +91,10 @@ def quantize(source: OnnxArtifact, variant: Variant, calibration: Sequence[list[
     # The weights come after smoothing: it reads the ones it changes from disk and stores them smoothed,
     # where a graph loaded whole would keep both copies (protobuf frees a replaced tensor's bytes only
     # with the whole graph: SmolLM2's int8 quantize peaked 0.27 GiB higher so).
-    proto = onnx.load(str(source.model_path), load_external_data=False)
+    proto = load_structure(source.model_path)
     smoothed = (smooth(proto, source, calibration, spec.smoothing, folder / ".smoothing")
                 if spec is not None and spec.smoothing is not None else None)
-    onnx.load_external_data_for_model(proto, str(Path(source.model_path).parent))
+    load_weights(proto, source.folder)
     untie_transposed_weights(proto)
     layers = weight_matmuls(proto)
     excluded = sorted(n for n, path in layers.items() if _matches(path, variant.quantize))
@@ -274,14 +273,14 @@ def _activations_as_uint8(path: Path) -> None:
     import onnx
     from onnx import numpy_helper
 
-    proto = onnx.load(str(path), load_external_data=False)  # the weights stay where they are on disk
+    proto = load_structure(path)  # the weights stay where they are on disk
     inits = {i.name: i for i in proto.graph.initializer}
     for name in {n.input[2] for n in proto.graph.node if n.op_type == "QuantizeLinear" and len(n.input) > 2}:
         zero = inits[name]
         if zero.data_type == onnx.TensorProto.INT8:
             zero.CopyFrom(numpy_helper.from_array((numpy_helper.to_array(zero).astype(np.int16) + 128).astype(np.uint8),
                                                   name))
-    onnx.save(proto, str(path))
+    save_structure(proto, path)
 
 
 def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],

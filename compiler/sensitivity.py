@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from .accuracy import kl_divergence, teacher_forced
-from .export import OnnxArtifact
+from .graph import OnnxArtifact, load_structure
 from .progress import release_freed_memory
 from .recipe import Variant
 
@@ -63,11 +63,10 @@ def weight_groups(source: OnnxArtifact) -> dict[str, dict[str, int]]:
     """{group: {module path: its weights' element count}} (module_groups) of the weight MatMuls the
     quantizer sees: a tied LM head's too, which reads the embedding through a Transpose until the
     quantizer unties it. Only the tied weight is read."""
-    import onnx
 
     from .quantize import untie_transposed_weights, weight_matmuls
 
-    proto = onnx.load(str(source.model_path), load_external_data=False)
+    proto = load_structure(source.model_path)
     untie_transposed_weights(proto, str(source.folder))
     elements = {i.name: math.prod(i.dims) for i in proto.graph.initializer}
     weights = {n.name: n.input[1] for n in proto.graph.node if len(n.input) > 1}
@@ -231,18 +230,17 @@ def residual_errors(source: OnnxArtifact, quantized: OnnxArtifact, calibration: 
     logits' error less that of the fp32 head applied to the quantized graph's own head input, i.e. what
     the head's quantization adds to the error the stream carries into it. With `logits: last` it covers
     each row's last token only (LAYERWISE_ROWS tokens)."""
-    import onnx
     from onnx import numpy_helper
 
     from .gptq import activations
     from .weights import lm_head_weight
 
-    proto = onnx.load(str(source.model_path), load_external_data=False)
+    proto = load_structure(source.model_path)
     points = residual_stream(proto)
     head = lm_head_weight(proto)
     head_weight = next(i for i in proto.graph.initializer if i.name == head.weight) if head else None
     del proto
-    graph = onnx.load(str(quantized.model_path), load_external_data=False)
+    graph = load_structure(quantized.model_path)
     written = {out for node in graph.graph.node for out in node.output}
     del graph
     points = [(block, summed) for block, summed in points if set(summed) <= written]

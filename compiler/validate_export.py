@@ -16,8 +16,9 @@ import numpy as np
 
 from .eager import REFERENCE_ATTENTION
 from .errors import ExportMismatch
-from .export import INPUTS, OnnxArtifact, _make_wrapper, kv_names
+from .export import INPUTS, _make_wrapper, kv_names
 from .families import Shapes, shapes_of
+from .graph import OnnxArtifact
 from .load import Checkpoint
 
 # fp32 tolerance, relative to the largest |logit| (resp. |KV value|) of the reference.

@@ -35,8 +35,8 @@ from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure
 from .compare import Side, assemble
-from .export import OnnxArtifact
-from .fusions import pack_matmuls, rotary_in_attention
+from .fusions import PACK_MATMULS, ROTARY_IN_ATTENTION
+from .graph import OnnxArtifact
 from .optimize import GENAI_MODEL_FILE, fold_rotary, kernel_graph, optimize, pack
 from .package import write_json
 from .progress import StageLog, release_freed_memory
@@ -183,13 +183,12 @@ def pack_step(build: VariantBuild) -> None:
     with build.log.step("pack_matmuls"):
         packed_graph, packed = pack(build.graph, build.work / "packed")
         build.replace_graph(packed_graph)
-    build.optimized["rules"][pack_matmuls.NAME] = packed
+    build.optimized["rules"][PACK_MATMULS.name] = packed
     if packed:
         build.log.note(f"pack_matmuls: {packed} MatMuls joined their siblings (q/k/v, gate/up), "
                        f"{build.graph.node_count} nodes")
     else:
-        build.optimized["unmatched"][pack_matmuls.NAME] = \
-            "no two MatMuls read one activation with weights of their own"
+        build.optimized["unmatched"][PACK_MATMULS.name] = f"no {PACK_MATMULS.looks_for} in the graph"
 
 
 def rotary_step(build: VariantBuild) -> None:
@@ -202,10 +201,10 @@ def rotary_step(build: VariantBuild) -> None:
         folded_graph, folded = fold_rotary(build.graph, build.work / "folded", exact)
         build.replace_graph(folded_graph)
     if isinstance(folded, str):
-        build.optimized["rules"][rotary_in_attention.NAME] = 0
-        build.optimized["unmatched"][rotary_in_attention.NAME] = folded
+        build.optimized["rules"][ROTARY_IN_ATTENTION.name] = 0
+        build.optimized["unmatched"][ROTARY_IN_ATTENTION.name] = folded or f"no {ROTARY_IN_ATTENTION.looks_for}"
     else:
-        build.optimized["rules"][rotary_in_attention.NAME] = folded
+        build.optimized["rules"][ROTARY_IN_ATTENTION.name] = folded
         build.log.note(f"rotary_in_attention: {folded} layers rotate inside GroupQueryAttention, "
                        f"{build.graph.node_count} nodes (the unfolded graph kept for onnxruntime-genai: "
                        f"{GENAI_MODEL_FILE})")

@@ -5,9 +5,11 @@ The optimize stage (compiler/optimize.py) runs the rules its target lists, in or
 `{rule: count}` and, for each rule that matched nothing, why (the rule's own reason, else the
 pattern it looks for). A rule that finds nothing it knows leaves the graph unchanged.
 
-pack_matmuls is the exception: it runs on a variant's finished graph, after quantization (the
-pipeline calls compiler.optimize.pack), so that each layer's precision is decided before layers
-are joined.
+FINISHED_GRAPH_RULES run later, on a variant's finished graph, after quantization: pack_matmuls
+joins MatMuls once each layer's precision is decided, and rotary_in_attention folds the rotations
+into the packed attention. The variant build's `pack` and `rotary` steps run them, in this order
+(compiler/variant_build.py), each checked against the graph before it (compiler/optimize.py pack,
+fold_rotary).
 """
 
 from __future__ import annotations
@@ -16,13 +18,20 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import group_query_attention, layer_normalization, rms_normalization, rotary_embedding
+from . import (
+    group_query_attention,
+    layer_normalization,
+    pack_matmuls,
+    rms_normalization,
+    rotary_embedding,
+    rotary_in_attention,
+)
 
 
 @dataclass(frozen=True)
 class Rule:
     name: str
-    apply: Callable[[Any, Any], int | tuple[int, str]]
+    apply: Callable[..., int | tuple[int, str]]
     looks_for: str  # the pattern, said when the rule matched nothing and gave no reason of its own
 
     def run(self, model: Any, shapes: Any) -> tuple[int, str | None]:
@@ -45,3 +54,11 @@ ONNXRUNTIME_RULES = (
     Rule(layer_normalization.GELU_NAME, layer_normalization.apply_gelu,
          "GELU (erf or tanh form; SiLU-gated MLPs have none)"),
 )
+
+# apply(model) without shapes: pack_matmuls on an onnx_ir model, rotary_in_attention on a ModelProto.
+FINISHED_GRAPH_RULES = (
+    Rule(pack_matmuls.NAME, pack_matmuls.apply, "two MatMuls that read one activation with weights of their own"),
+    Rule(rotary_in_attention.NAME, rotary_in_attention.apply,
+         "rotary embedding feeding a GroupQueryAttention's query and key"),
+)
+PACK_MATMULS, ROTARY_IN_ATTENTION = FINISHED_GRAPH_RULES

@@ -10,8 +10,8 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.export import OnnxArtifact
 from compiler.fusions import group_query_attention
+from compiler.graph import OnnxArtifact
 from compiler.optimize import compare_graphs, optimize
 from compiler.tensorrt_check import TensorRTIncompatible, check_tensorrt_graph
 from runtime.artifact import Artifact

@@ -522,7 +522,7 @@ def test_a_weight_on_a_q4_1_grid_keeps_its_levels(bits, tmp_path):
 
     # Kiln's 4-bit kernel takes each node as one op on x alone, the correction as the blocks' offsets
     # times x's exact block sums: the block means' nodes go, and the error stays that of MatMulNBits.
-    from compiler.export import OnnxArtifact
+    from compiler.graph import OnnxArtifact
     from compiler.optimize import kernel_graph
     from runtime import cpu_kernels
 

@@ -152,7 +152,7 @@ def test_exclude_auto_keeps_the_sensitive_groups_the_gates_need(tiny_checkpoints
 
 def _layerwise(artifact: Path, folder: Path, **quantize_spec) -> list[dict]:
     """The layerwise table of the tiny Llama's fp32 graph quantized to int4 as `quantize_spec` says."""
-    from compiler.export import OnnxArtifact
+    from compiler.graph import OnnxArtifact
     from compiler.quantize import quantize
     from compiler.recipe import Variant
     from compiler.sensitivity import residual_errors

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 import pytest
 
-from compiler.export import OnnxArtifact
+from compiler.graph import OnnxArtifact
 from compiler.smoothing import smooth
 
 
