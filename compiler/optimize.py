@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from runtime.backends.registry import Target
+from runtime.backends.registry import ONNXRUNTIME_TARGETS, Target
 from runtime.files import link_or_copy
 
 from .errors import ExportMismatch
@@ -55,7 +55,7 @@ def optimize(exported: OnnxArtifact, target: str, fuse: bool, folder: Path) -> t
     with small_constants_kept():
         optimizer.optimize(model)
     rules, unmatched = {}, {}
-    if target == Target.ONNXRUNTIME and fuse:
+    if target in ONNXRUNTIME_TARGETS and fuse:
         for rule in ONNXRUNTIME_RULES:
             rules[rule.name], why = rule.run(model, exported.shapes)
             if why:

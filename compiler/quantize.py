@@ -66,6 +66,12 @@ BLOCKED_FP16 = (
     "SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
     "GroupQueryAttention",
 )
+# For ONNX Runtime's CUDA provider the fused ops stay in half precision: their CUDA kernels take fp16
+# (GroupQueryAttention fp16 and bf16 only, fp32 has none) and accumulate in fp32 themselves (the norms'
+# sums of squares, attention's softmax). The rest of BLOCKED_FP16 stays fp32 where an unfused graph
+# still has it; CUDA runs those in fp32 too.
+CUDA_HALF_OPS = ("SimplifiedLayerNormalization", "SkipSimplifiedLayerNormalization", "LayerNormalization",
+                 "GroupQueryAttention")
 # Histogram bins of the entropy and percentile calibrations: TensorRT's entropy calibrator's 2048, so
 # the KL search has 961 thresholds to try between 128 quantized bins and the whole range.
 HISTOGRAM_BINS = 2048
@@ -289,7 +295,8 @@ def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, 
     from onnx_ir.passes.common import TopologicalSortPass
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
-    converted = convert_float_to_float16(proto, keep_io_types=["logits"], op_block_list=list(BLOCKED_FP16),
+    blocked = [op for op in BLOCKED_FP16 if variant.target != Target.ONNXRUNTIME_CUDA or op not in CUDA_HALF_OPS]
+    converted = convert_float_to_float16(proto, keep_io_types=["logits"], op_block_list=blocked,
                                          node_block_list=excluded, disable_shape_infer=True)
     model = ir.from_proto(converted)
     TopologicalSortPass()(model)  # the converter appends its Casts after their consumers

@@ -183,6 +183,9 @@ BUILDS_BY_TARGET = {
     "onnxruntime": {("fp32", None), ("fp32", "int8-dynamic"), ("fp32", "int8-static"), ("fp32", "int4"),
                     ("fp16", None)},
     "tensorrt": {("fp32", None), ("fp16", None), ("fp32", "int8-static")},
+    # Half precision end to end (attention and its KV cache included): ONNX Runtime's CUDA kernels for
+    # GroupQueryAttention take fp16 and bf16 only. bf16 and int4 are not built yet (see docs/gpu.md).
+    "onnxruntime-cuda": {("fp16", None)},
 }
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 DEFAULT_CALIBRATION = DATA / "calibration.jsonl"
@@ -203,7 +206,7 @@ class Gates(_Strict):
 
 class Variant(_Strict):
     name: str = Field(pattern=NAME_PATTERN)
-    target: Literal["onnxruntime", "tensorrt"]
+    target: Literal["onnxruntime", "onnxruntime-cuda", "tensorrt"]
     precision: Literal["fp32", "fp16", "bf16"] = "fp32"
     quantize: QuantizeSpec | None = None
     # onnxruntime: contrib-op fusions (GroupQueryAttention over shared KV buffers, RMSNorm). tensorrt
@@ -232,6 +235,9 @@ class Variant(_Strict):
             raise ValueError("profiles: only tensorrt variants take optimization profiles")
         if self.engine is not None and self.target != Target.TENSORRT:
             raise ValueError("engine: only tensorrt variants build engines")
+        if self.target == Target.ONNXRUNTIME_CUDA and not self.fuse:
+            raise ValueError("fuse: false cannot be built for onnxruntime-cuda: its attention is ONNX Runtime's "
+                             "GroupQueryAttention over a KV buffer updated in place; leave fuse out")
         onnxruntime_fp32_fused = self.target == Target.ONNXRUNTIME and self.fuse and self.precision == "fp32"
         if self.kv_cache != "float32" and not onnxruntime_fp32_fused:
             raise ValueError("kv_cache: float16 is for fp32 onnxruntime variants with fuse on, quantized or not (the "

@@ -11,6 +11,7 @@ returns at once.
     kernels       the graph for Kiln's CPU kernels                                    compiler/optimize.py
     accuracy      the graph A/B against eager under the gates: reports/<variant>.*
     kernels accuracy  the kernels' graph the same way: reports/<variant>+kernels.*
+    placement     a CUDA variant's nodes against onnxruntime-gpu's CUDA kernels     compiler/cuda_placement.py
     files         the graphs moved into variants/<variant>/, its report.json
     entry         the manifest entry: interface, files, fusions, accuracy, status
     memory        resident memory measured in a fresh process (CPU variants)
@@ -28,15 +29,17 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backends.onnxruntime import OnnxRuntimeBackend
-from runtime.backends.registry import Target, open_backend
+from runtime.backends.onnxruntime_cuda import CUDA_PROVIDERS
+from runtime.backends.registry import ONNXRUNTIME_TARGETS, Target, open_backend
 from runtime.cpu_kernels import KERNEL_DATA_FILE, KERNEL_MODEL_FILE
 from runtime.manifest import Variant as VariantEntry
 from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure
 from .compare import Side, assemble
+from .cuda_placement import predict as predict_placement
 from .fusions import PACK_MATMULS, ROTARY_IN_ATTENTION
-from .graph import OnnxArtifact
+from .graph import OnnxArtifact, load_structure
 from .optimize import GENAI_MODEL_FILE, fold_rotary, kernel_graph, optimize, pack
 from .package import write_json
 from .progress import StageLog, release_freed_memory
@@ -97,7 +100,7 @@ class VariantBuild:
 
     @property
     def fused_for_onnxruntime(self) -> bool:
-        return self.variant.target == Target.ONNXRUNTIME and self.variant.fuse
+        return self.variant.target in ONNXRUNTIME_TARGETS and self.variant.fuse
 
     def replace_graph(self, new: OnnxArtifact) -> None:
         """Take a step's rewritten graph, and delete the one it replaces where it wrote a folder of its own,
@@ -214,7 +217,7 @@ def kernels_step(build: VariantBuild) -> None:
     """The graph for Kiln's CPU kernels, where a failure costs the variant only that graph (and says why)."""
     variant = build.variant
     if variant.target != Target.ONNXRUNTIME:
-        build.kernels_why = "not an onnxruntime variant"
+        build.kernels_why = f"not a CPU variant ({variant.target})"
         return
     activations = variant.quantize.kernel_activations if variant.quantize else "int8"
     folder = build.work / "kernels"
@@ -235,9 +238,11 @@ def accuracy_step(build: VariantBuild) -> None:
     if build.variant.target == Target.TENSORRT:
         build.graph = dataclasses.replace(build.graph, interface=engine_interface(build.graph.interface))
     release_freed_memory()  # what the last stage's sessions freed, before this one loads the weights
+    runs_on = "ONNX Runtime CPU" + (", the graph the CUDA provider runs"
+                                    if build.variant.target == Target.ONNXRUNTIME_CUDA else "")
     with build.log.step("accuracy against eager"):
         backend = OnnxRuntimeBackend(build.graph.model_path, build.graph.interface)
-        comparison = build.against_eager(backend, build.variant.name, "ONNX Runtime CPU")
+        comparison = build.against_eager(backend, build.variant.name, runs_on)
         backend.close()  # before the memory measurement's process loads the graph again
     release_freed_memory()
     build.metrics, build.failures = comparison["summary"], comparison["failed_gates"]
@@ -268,6 +273,20 @@ def kernels_accuracy_step(build: VariantBuild) -> None:
         build.failures = [f"{f} on Kiln's CPU kernels" for f in build.kernel_failures] or [
             "cpu_kernels required, but no graph for them passed or was measured: "
             f"{str(build.kernels_why).splitlines()[0]}"]
+
+
+def placement_step(build: VariantBuild) -> None:
+    """A CUDA variant's finished graph against the CUDA kernels the pinned onnxruntime-gpu registers: a
+    compute node that has none would run on the CPU, so the variant fails, naming it. Predicted here
+    without a GPU; on a GPU host ONNX Runtime's profile is the measurement (scripts/gpu-check)."""
+    if build.variant.target != Target.ONNXRUNTIME_CUDA:
+        return
+    with build.log.step("placement on CUDA"):
+        placement = predict_placement(load_structure(build.graph.model_path))
+    build.report["cuda_placement"] = placement.to_json()
+    build.log.note(f"placement: {placement.summary()}")
+    if not placement.all_on_cuda:
+        build.failures.append(f"cuda placement: {placement.summary()}")
 
 
 def files_step(build: VariantBuild) -> None:
@@ -307,6 +326,8 @@ def entry_step(build: VariantBuild) -> None:
                   "comparison": f"reports/{name}.html"})
     if GENAI_MODEL_FILE in graph.files:
         entry["genai_model"] = f"variants/{name}/{GENAI_MODEL_FILE}"
+    if variant.target == Target.ONNXRUNTIME_CUDA:  # the runtime opens it with these (backends/registry.py)
+        entry["providers"] = list(CUDA_PROVIDERS)
     entry.update(build.kernel_entry)
     if variant.cpu_kernels == "required":
         entry["cpu_kernels"] = "required"
@@ -377,6 +398,7 @@ VARIANT_STEPS = (
     Step("kernels", kernels_step),
     Step("accuracy", accuracy_step),
     Step("kernels accuracy", kernels_accuracy_step),
+    Step("placement", placement_step),
     Step("files", files_step),
     Step("entry", entry_step),
     Step("memory", memory_step),

@@ -81,6 +81,7 @@ class Variant:
     model: str | None  # the ONNX graph (variants/<name>/model.onnx)
     genai_model: str | None  # the graph onnxruntime-genai opens, where model.onnx folds rotary into attention
     engine: Mapping[str, Any] | None  # a TensorRT variant's engine facts: file, profiles_file, versions, GPU
+    providers: tuple[str, ...] | None  # the ONNX Runtime providers a CUDA variant is built for, in order
     # The graph for Kiln's CPU kernels, and what it changes of the interface.
     kernel_model: str | None
     kernel_prefill: str | None  # "batched": every prompt row in one step
@@ -200,6 +201,10 @@ def _variant_problem(entry: dict[str, Any], files: dict[str, Any]) -> str | None
     engine = entry.get("engine")
     if engine is not None and not (isinstance(engine, dict) and isinstance(engine.get("file"), str)):
         return "has an engine entry without a file"
+    providers = entry.get("providers")
+    if providers is not None and not (isinstance(providers, list) and providers
+                                      and all(isinstance(p, str) for p in providers)):
+        return "has providers that are not a list of ONNX Runtime provider names"
     engine = engine or {}
     for key, path in (("model", entry.get("model")), ("kernel_model", entry.get("kernel_model")),
                       ("genai_model", entry.get("genai_model")), ("engine", engine.get("file"))):
@@ -235,6 +240,7 @@ def _variant(name: str, entry: dict[str, Any]) -> Variant:
         precision=entry.get("precision"), quantize=entry.get("quantize"), interface=entry.get("interface"),
         files=_tuple(entry.get("files")), model=entry.get("model"), genai_model=entry.get("genai_model"),
         engine=entry.get("engine"), kernel_model=entry.get("kernel_model"),
+        providers=tuple(entry["providers"]) if entry.get("providers") is not None else None,
         kernel_prefill=entry.get("kernel_prefill"), kernel_kv_cache=entry.get("kernel_kv_cache"),
         kernel_activations=entry.get("kernel_activations"), cpu_kernels=entry.get("cpu_kernels"),
         failed_gates=_tuple(entry.get("failed_gates")), model_failed_gates=_tuple(entry.get("model_failed_gates")),

@@ -32,8 +32,13 @@ if TYPE_CHECKING:
 class Target(StrEnum):
     """What a recipe variant is compiled for (compiler/recipe.py's `target`)."""
 
-    ONNXRUNTIME = "onnxruntime"
+    ONNXRUNTIME = "onnxruntime"  # ONNX Runtime on the CPU (and Kiln's CPU kernels)
+    ONNXRUNTIME_CUDA = "onnxruntime-cuda"  # ONNX Runtime's CUDA provider (onnxruntime-gpu)
     TENSORRT = "tensorrt"
+
+
+# The targets whose graphs ONNX Runtime runs, fused with its contrib ops (GroupQueryAttention, RMSNorm).
+ONNXRUNTIME_TARGETS = frozenset({Target.ONNXRUNTIME, Target.ONNXRUNTIME_CUDA})
 
 
 @dataclass(frozen=True)
@@ -53,6 +58,8 @@ class BackendKind:
 # In the order they are tried: an entry with an engine runs it, even though it has a model.onnx too.
 KINDS = (
     BackendKind("tensorrt", "engine", "runtime.backends.tensorrt", "device", "TensorRT engine", False),
+    BackendKind("onnxruntime-cuda", "providers", "runtime.backends.onnxruntime_cuda", "device", "ONNX Runtime CUDA",
+                False),
     BackendKind("onnxruntime", "model", "runtime.backends.onnxruntime", "host", "ONNX Runtime CPU", True),
 )
 

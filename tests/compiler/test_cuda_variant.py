@@ -1,0 +1,111 @@
+"""`target: onnxruntime-cuda`: built and checked on a machine without a GPU. Its graph is half precision
+end to end, predicted to run every compute node on CUDA, held to the gates against eager under the CPU
+provider; the runtime refuses it on a host without CUDA in one line and runs it on the CPU when asked."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import onnx
+import pytest
+
+from compiler.cuda_placement import predict
+from compiler.pipeline import compile_recipe
+from compiler.recipe import RecipeError, load_recipe
+from runtime.artifact import Artifact
+from runtime.backends.onnxruntime_cuda import cuda_missing
+from runtime.backends.registry import host_fit, kind_of, runnable_variant
+from runtime.errors import IncompatibleArtifact
+from runtime.generator import Generator
+from runtime.sampling import SamplingParams
+from tests.conftest import write_recipe
+
+VARIANTS = """\
+  - {name: cuda-fp16, target: onnxruntime-cuda, precision: fp16}
+  - {name: cpu-fp16, target: onnxruntime, precision: fp16}
+"""
+NO_CUDA = cuda_missing() is not None
+
+
+@pytest.fixture(scope="module")
+def cuda_artifact(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("cuda")
+    recipe = write_recipe(root / "r.yaml", tiny_checkpoints["llama"], variants=VARIANTS,
+                          extra="validate: {max_new_tokens: 8}\n")
+    return compile_recipe(recipe, root / "artifact")
+
+
+def test_the_cuda_graph_is_half_precision_and_predicted_all_on_cuda(cuda_artifact):
+    manifest = json.loads((cuda_artifact / "manifest.json").read_text())
+    entry = manifest["variants"]["cuda-fp16"]
+    assert entry["status"] == "built" and entry["providers"] == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert "kernel_model" not in entry  # Kiln's CPU kernels are the CPU's
+    assert entry["fusions"]["group_query_attention"] == 2 and entry["fusions"]["pack_matmuls"] > 0
+    graph = onnx.load(str(cuda_artifact / entry["model"]), load_external_data=False)
+    half = {value.name for value in graph.graph.input if value.type.tensor_type.elem_type == onnx.TensorProto.FLOAT16}
+    assert half == {"past_key_values.0.key", "past_key_values.0.value", "past_key_values.1.key",
+                    "past_key_values.1.value"}
+    logits = next(o for o in graph.graph.output if o.name == "logits")
+    assert logits.type.tensor_type.elem_type == onnx.TensorProto.FLOAT  # logits come back in fp32
+    report = json.loads((cuda_artifact / "variants" / "cuda-fp16" / "report.json").read_text())
+    placement = report["cuda_placement"]
+    assert placement["on_cpu"] == [] and placement["compute_nodes"] > 20 and placement["onnxruntime_gpu"] == "1.31.1"
+    # The CPU variant's fp16 keeps attention in fp32, which has no CUDA kernel: what the H200 probe saw.
+    cpu_graph = onnx.load(str(cuda_artifact / manifest["variants"]["cpu-fp16"]["model"]), load_external_data=False)
+    assert {n["op"] for n in predict(cpu_graph).on_cpu} == {"com.microsoft::GroupQueryAttention"}
+
+
+def test_the_cuda_graph_meets_the_gates_against_eager_on_the_cpu(cuda_artifact, tiny_checkpoints):
+    """The gates were measured under the CPU provider; the runtime's greedy tokens on the CPU equal
+    transformers' eager fp32 greedy on the checkpoint itself."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    report = json.loads((cuda_artifact / "reports" / "cuda-fp16.json").read_text())
+    assert report["passed"] and "the graph the CUDA provider runs" in report["b"]["description"]
+    prompt = [5, 17, 42, 7]
+    generator = Generator.load(cuda_artifact, "cuda-fp16", providers=["CPUExecutionProvider"])
+    tokens = generator.generate([prompt], SamplingParams(max_new_tokens=6, ignore_eos=True))[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_checkpoints["llama"]).eval()
+    with torch.no_grad():
+        eager = model.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False, min_new_tokens=6)
+    assert tokens == eager[0, len(prompt):].tolist()
+
+
+@pytest.mark.skipif(not NO_CUDA, reason="checks the refusal on a host without CUDA")
+def test_a_host_without_cuda_skips_the_variant_and_refuses_it_by_name(cuda_artifact):
+    artifact = Artifact.open(cuda_artifact)
+    entry = artifact.variant("cuda-fp16")
+    assert kind_of(entry).name == "onnxruntime-cuda"
+    assert runnable_variant(artifact).name == "cpu-fp16"  # the default: a variant this host runs
+    with pytest.raises(IncompatibleArtifact, match="variant 'cuda-fp16' is built for ONNX Runtime's CUDA provider, "
+                                                   "and this onnxruntime has no CUDA provider"):
+        runnable_variant(artifact, "cuda-fp16")
+    fit = host_fit("cuda-fp16", entry, artifact.manifest)
+    assert not fit.fits and fit.target == "onnxruntime-cuda" and "onnxruntime-gpu >= 1.31.1" in fit.needs
+    result = subprocess.run([sys.executable, "-m", "runtime.cli", str(cuda_artifact), "--variant", "cuda-fp16",
+                             "--prompt", "hi"], capture_output=True, text=True)
+    assert result.returncode == 2 and result.stderr.strip().count("\n") == 0
+    assert "built for ONNX Runtime's CUDA provider" in result.stderr
+    verify = subprocess.run([sys.executable, "-m", "runtime.kiln_cli", "verify", str(cuda_artifact)],
+                            capture_output=True, text=True)
+    assert verify.returncode == 0, verify.stderr
+    assert "cuda-fp16" in verify.stdout and "onnxruntime-gpu >= 1.31.1" in verify.stdout
+
+
+@pytest.mark.parametrize(("variant", "message"), [
+    ("{name: c, target: onnxruntime-cuda, precision: fp16, fuse: false}",
+     "fuse: false cannot be built for onnxruntime-cuda"),
+    ("{name: c, target: onnxruntime-cuda}", "fp32 cannot be built for onnxruntime-cuda; allowed: fp16"),
+    ("{name: c, target: onnxruntime-cuda, precision: fp16, quantize: {mode: int8-dynamic}}",
+     "cannot be built for onnxruntime-cuda"),
+    ("{name: c, target: onnxruntime-cuda, precision: fp16, cpu_kernels: required}",
+     "cpu_kernels: required is for onnxruntime variants"),
+])
+def test_what_a_cuda_variant_cannot_be_is_refused_in_the_recipe(variant, message, tiny_checkpoints, tmp_path):
+    recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"], variants=f"  - {variant}\n")
+    with pytest.raises(RecipeError) as error:
+        load_recipe(recipe)
+    assert message in str(error.value)
