@@ -12,6 +12,8 @@ from pathlib import Path
 import click
 
 from runtime.command import OneLineCommand
+from runtime.device import DEVICE_HELP
+from runtime.device import checked as device_checked
 from runtime.errors import ArtifactError, IncompatibleArtifact, KilnError, interrupted_exit_code, unwind_on_sigterm
 
 from .errors import CheckpointError, CompareInputError, OutputError, RecipeError
@@ -76,15 +78,17 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
               help="A gate (repeatable; overrides --gates).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path),
               help="Write report.json, report.md and report.html here.")
-@click.option("--eager-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True)
+@click.option("--device", help="Where an artifact side runs: " + DEVICE_HELP, callback=device_checked)
+@click.option("--eager-device", type=click.Choice(["auto", "cpu", "cuda"]), default="auto", show_default=True,
+              help="Where an eager side runs.")
 @click.option("--eager-dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads [default: all cores].")
 @click.option("--speed-repeats", default=3, show_default=True, type=click.IntRange(0),
               help="Interleaved timed greedy runs per side for tokens/s (median); 0 times the measuring run.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of artifacts (trusted hosts only).")
 @click.option("--debug", is_flag=True, help="Show full tracebacks.")
-def compare_main(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir, eager_device,
-                 eager_dtype, threads, speed_repeats, no_verify, debug) -> None:
+def compare_main(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir, device,
+                 eager_device, eager_dtype, threads, speed_repeats, no_verify, debug) -> None:
     """Compare B against A on the same prompts and text. A and B are each ARTIFACT_DIR[:VARIANT] or
     eager:SOURCE (any model.source a recipe accepts). Exit 0 when every gate holds, 1 when one fails,
     2 for bad input."""
@@ -92,7 +96,7 @@ def compare_main(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate
     unwind_on_sigterm()  # so both sides' logits files are removed on the way out
     try:
         report, paths = _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir,
-                                 eager_device, eager_dtype, threads, speed_repeats, not no_verify)
+                                 eager_device, eager_dtype, threads, speed_repeats, not no_verify, device)
     except KilnError as exc:
         if debug:
             raise
@@ -109,8 +113,8 @@ def compare_main(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate
     sys.exit(0 if report["passed"] else 1)
 
 
-def _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir, device, dtype,
-             threads, speed_repeats, verify):
+def _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_items, report_dir, eager_device,
+             dtype, threads, speed_repeats, verify, device=None):
     from .compare import check_same_tokenizer, compare, open_side, read_gates, read_input_files, read_inputs
     from .progress import StageLog
     from .report import write_report
@@ -119,9 +123,9 @@ def _compare(a, b, prompts_file, text_file, max_new_tokens, gates_file, gate_ite
     read_input_files(prompts_file, text_file)
     log = StageLog()
     with log.stage("open", f"A {a}"):
-        side_a = open_side(a, device, dtype, threads, verify)
+        side_a = open_side(a, eager_device, dtype, threads, verify, device)
     with log.stage("open", f"B {b}"):
-        side_b = open_side(b, device, dtype, threads, verify)
+        side_b = open_side(b, eager_device, dtype, threads, verify, device)
     gates = side_b.gates if given_gates is None else given_gates
     context = min(side_a.max_context, side_b.max_context)
     inputs, prompts = read_inputs(side_a, prompts_file, text_file, max_new_tokens, context)

@@ -23,8 +23,9 @@ import yaml
 from pydantic import ValidationError
 
 from runtime.artifact import Artifact
-from runtime.backends.registry import runnable_variant
+from runtime.backends.registry import device_of, device_refusal, runnable_variant
 from runtime.backends.registry import runs_on as backend_runs_on
+from runtime.device import providers_for
 from runtime.errors import IncompatibleArtifact
 from runtime.files import read_utf8
 from runtime.manifest import Variant
@@ -63,11 +64,12 @@ class Side:
 # -- opening a side -------------------------------------------------------------------------------
 
 def open_side(text: str, eager_device: str = "auto", eager_dtype: str = "fp32", threads: int | None = None,
-              verify: bool = True) -> Side:
-    """`eager:SOURCE` (any model.source a recipe accepts) or `ARTIFACT_DIR[:VARIANT]`."""
+              verify: bool = True, device: str | None = None) -> Side:
+    """`eager:SOURCE` (any model.source a recipe accepts) or `ARTIFACT_DIR[:VARIANT]`, the artifact run on
+    `device` (runtime/device.py)."""
     if text.startswith(EAGER_PREFIX):
         return _eager_side(text, eager_device, eager_dtype)
-    return _artifact_side(text, threads, verify)
+    return _artifact_side(text, threads, verify, device)
 
 
 def _eager_side(text: str, device: str, dtype: str) -> Side:
@@ -98,12 +100,15 @@ def eager_side(checkpoint: Any, label: str, device: str = "auto", dtype: str = "
                 tokenizer.get_vocab(), pad, checkpoint.config.max_position_embeddings)
 
 
-def _artifact_side(text: str, threads: int | None, verify: bool) -> Side:
-
+def _artifact_side(text: str, threads: int | None, verify: bool, device: str | None = None) -> Side:
     folder, name = _split_variant(text)
     artifact = Artifact.open(folder, verify=verify)
     entry = _variant_entry(artifact, name)  # any variant with a graph, a failed one too: not select_variant
-    loaded = Selection(artifact, entry, verify).open(threads)
+    providers = providers_for(device)
+    refused = device_refusal(entry, device_of(providers))
+    if refused:
+        raise IncompatibleArtifact(refused)
+    loaded = Selection(artifact, entry, verify, providers).open(threads)
     backend, tokenizer = loaded.backend, loaded.tokenizer
     model = artifact.manifest.model
     details = ", ".join(str(p) for p in (entry.target, entry.precision, (entry.quantize or {}).get("mode"),

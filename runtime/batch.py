@@ -39,6 +39,7 @@ from typing import Any, TextIO
 
 from pydantic import ConfigDict, ValidationError
 
+from .device import providers_for
 from .engine import RequestError, Result
 from .errors import KilnError
 from .openai_api import (
@@ -83,6 +84,7 @@ class BatchConfig:
     workers: int = 1
     verify: bool = True
     model_name: str | None = None
+    device: str | None = None  # cpu, cuda, cuda:N or auto (runtime/device.py)
 
     @property
     def errors_path(self) -> Path:
@@ -236,7 +238,8 @@ class Answerer:
         from .generator import Generator
         from .model import open_model
 
-        model = open_model(config.artifact, config.variant, threads=config.threads, verify=config.verify,
+        model = open_model(config.artifact, config.variant, providers_for(config.device), threads=config.threads,
+                           verify=config.verify,
                            max_batch_size=config.max_batch_size, max_prefill_tokens=config.max_prefill_tokens)
         generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens)
         return cls(generator, fmt, fingerprint(model.entry), config.model_name, config.defaults, config.chunk_rows)
@@ -573,7 +576,8 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
         from .model import select_variant
 
         # one variant for every worker, named here: each worker's own default could differ with its host
-        config = replace(config, variant=select_variant(config.artifact, config.variant, verify=False).name)
+        config = replace(config, variant=select_variant(config.artifact, config.variant, providers_for(config.device),
+                                                        verify=False).name)
         undecodable = next((line for line, error in scan.unreadable if error.code == "invalid_encoding"), None)
         if undecodable is not None:  # Ray Data's read_text fails on the whole file for one such line
             raise KilnError(f"INPUT line {undecodable} is not UTF-8, and Ray Data cannot read such a file; fix "

@@ -19,6 +19,8 @@ from pathlib import Path
 import click
 
 from .command import OneLineCommand
+from .device import DEVICE_HELP
+from .device import checked as device_checked
 from .engine import Result
 from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
 from .files import read_utf8
@@ -97,6 +99,7 @@ def _check_output(output: str | None) -> None:
               help="With --num-beams: print the best N beams, each with its score.")
 @click.option("--seed", type=int, help="Seed for sampling; each prompt's draws are reproducible.")
 @click.option("--batch-size", default=32, show_default=True, help="Largest batch decoded at once.")
+@click.option("--device", help=DEVICE_HELP, callback=device_checked)
 @click.option("--threads", type=int, help="ONNX Runtime intra-op threads [default: all cores].")
 @click.option("--stream", is_flag=True, help="Print tokens as they are decoded.")
 @click.option("--output", type=click.Path(dir_okay=False),
@@ -104,7 +107,7 @@ def _check_output(output: str | None) -> None:
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
 def main(artifact, variant, texts, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, min_p,
          repetition_penalty, stop, num_beams, length_penalty, early_stopping, num_return_sequences, seed, batch_size,
-         threads, stream, output, no_verify) -> None:
+         device, threads, stream, output, no_verify) -> None:
     """Generate text with a compiled ARTIFACT folder."""
     from .generator import Generator
     from .sampling import SamplingParams
@@ -118,7 +121,7 @@ def main(artifact, variant, texts, prompts_file, chat, max_new_tokens, temperatu
         prompts = _read_prompts(texts, prompts_file, chat)
         _check_output(output)
         generator = Generator.load(artifact, variant=variant, threads=threads, max_batch_size=batch_size,
-                                   verify=not no_verify)
+                                   verify=not no_verify, device=device)
     except KilnError as exc:
         click.echo(f"run-model: error: {exc}", err=True)
         sys.exit(2)

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from .artifact import Artifact
+from .device import providers_for
 from .engine import DEFAULT_PARAMS, Engine, Event, Prompt, RequestError, Result, left_padded
 from .model import Model, open_model
 from .sampling import SamplingParams
@@ -33,10 +34,12 @@ class Generator:
                              max_batch_size, max_prefill_tokens, prefill_first=prefill_first)
 
     @classmethod
-    def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[str] | None = None,
+    def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[Any] | None = None,
              threads: int | None = None, max_batch_size: int = 32, verify: bool = True,
-             max_prefill_tokens: int = 512) -> Generator:
-        model = open_model(artifact_dir, variant, providers, threads, verify, max_batch_size, max_prefill_tokens)
+             max_prefill_tokens: int = 512, device: str | None = None) -> Generator:
+        """`device`: cpu, cuda, cuda:N or auto (runtime/device.py); else `providers`, ONNX Runtime's, as given."""
+        model = open_model(artifact_dir, variant, providers_for(device, providers), threads, verify, max_batch_size,
+                           max_prefill_tokens)
         return cls.of(model, max_batch_size, max_prefill_tokens)
 
     @classmethod

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING
 import click
 
 from .command import OneLineGroup
+from .device import DEVICE_HELP, Device
+from .device import checked as device_checked
 from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
 
 if TYPE_CHECKING:
@@ -84,6 +86,7 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 @click.option("--max-prefill-tokens", default=512, show_default=True, type=click.IntRange(min=1),
               help="Most prompt tokens run between two decode steps (longer prompts go in pieces where the "
                    "variant allows): bounds how long a burst of prompts stalls the running requests.")
+@click.option("--device", help=DEVICE_HELP, callback=device_checked)
 @click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads [default: all cores].")
 @click.option("--max-tokens-in-flight", type=click.IntRange(min=1),
               help="KV slots the running requests may reserve (prompt + max_tokens each); more wait in the queue "
@@ -95,8 +98,8 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
               help="On SIGTERM or Ctrl-C, seconds to let running requests finish before aborting them.")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
 def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_size: int, max_queue: int,
-          max_prefill_tokens: int, threads: int | None, max_tokens_in_flight: int | None, api_key: str | None,
-          model_name: str | None, drain_timeout: float, no_verify: bool) -> None:
+          max_prefill_tokens: int, device: str | None, threads: int | None, max_tokens_in_flight: int | None,
+          api_key: str | None, model_name: str | None, drain_timeout: float, no_verify: bool) -> None:
     """Serve ARTIFACT over the OpenAI API: POST /v1/completions and /v1/chat/completions (streaming or
     not), GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the model:
     a request that arrives while others decode joins the running batch at the next step.
@@ -110,7 +113,7 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
         click.echo(f"kiln serve: error: a server dependency is missing ({exc.name}); reinstall kiln", err=True)
         sys.exit(2)
     config = ServeConfig(artifact, variant, host, port, max_batch_size, max_queue, max_prefill_tokens, threads,
-                         api_key, model_name, drain_timeout, not no_verify, max_tokens_in_flight)
+                         api_key, model_name, drain_timeout, not no_verify, max_tokens_in_flight, device)
     try:
         code = run_server(config)
     except KilnError as exc:
@@ -130,6 +133,7 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
               help="Skip the ids OUTPUT already holds (a rerun after a kill), or start OUTPUT over.")
 @click.option("--batch-size", default=32, show_default=True, type=click.IntRange(min=1),
               help="Most sequences decoded together.")
+@click.option("--device", help=DEVICE_HELP, callback=device_checked)
 @click.option("--threads", type=click.IntRange(min=1),
               help="ONNX Runtime threads [default: all cores]; with --ray, split between the workers.")
 @click.option("--max-tokens", type=click.IntRange(min=1), help="Default max_tokens for rows that give none "
@@ -149,7 +153,7 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
 @click.option("--model-name", help="The model name in OpenAI response bodies [default: the artifact's name].")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
 def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, errors: Path | None, resume: bool,
-          batch_size: int, threads: int | None, max_tokens: int | None, temperature: float | None,
+          batch_size: int, device: str | None, threads: int | None, max_tokens: int | None, temperature: float | None,
           top_p: float | None, top_k: int | None, seed: int | None, ray_address: str | None, workers: int,
           chunk_rows: int, model_name: str | None, no_verify: bool) -> None:
     """Answer every row of INPUT (JSONL) into OUTPUT (JSONL); rerun the same command to resume.
@@ -168,7 +172,7 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
     config = BatchConfig(artifact, input_file, output, variant, errors, batch_size, threads=threads,
                          chunk_rows=chunk_rows, resume=resume, defaults=defaults, ray=ray_address is not None,
                          ray_address=ray_address or None, workers=workers, verify=not no_verify,
-                         model_name=model_name)
+                         model_name=model_name, device=device)
     unwind_on_sigterm()  # as Ctrl-C: what finished is synced first
     try:
         summary = run_job(config)
@@ -200,7 +204,9 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
 @click.option("--dtype", type=click.Choice(["fp32", "fp16", "bf16"]), default="fp32", show_default=True,
               help="With --config: the weights' and KV cache's precision.")
 @click.option("--memory", "memory_text", metavar="SIZE", help="Budget, e.g. 16GiB [default: what this host has free].")
-@click.option("--device", help="cuda:N: the budget is that GPU's free memory (read with cuda-python, no torch).")
+@click.option("--device", callback=device_checked,
+              help="cuda or cuda:N: the budget is that GPU's free memory (read with cuda-python, no torch); cpu: "
+                   "this host's; auto: where the variant runs [default: auto].")
 @click.option("--context", type=click.IntRange(min=1), help="Tokens a sequence holds [default: the max context].")
 @click.option("--batch", default=32, show_default=True, type=click.IntRange(min=1), help="Sequences at once.")
 @click.option("--prefill-tokens", default=512, show_default=True, type=click.IntRange(min=1),
@@ -219,16 +225,17 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
     try:
         if (artifact is None) == (config_file is None):
             raise KilnError("give an ARTIFACT folder or --config config.json (one of them)")
-        if memory_text and device:
+        on_device = Device.parse(device)
+        if memory_text and on_device.kind == "cuda":
             raise KilnError("give --memory or --device, not both")
         title, interface, measured, weights, max_context, on_gpu = _plan_source(artifact, variant, config_file,
                                                                                 dtype, device)
         weights_source = "computed from the config's shapes" if config_file else "not measured: the files' size"
         if memory_text:
             budget, source = planner.parse_size(memory_text), "--memory"
-        elif device or on_gpu:
-            device = device or "cuda:0"
-            budget, source = planner.free_gpu_memory(device), f"free on {device}"
+        elif on_gpu or on_device.kind == "cuda":
+            gpu = str(on_device) if on_device.kind == "cuda" else "cuda:0"
+            budget, source = planner.free_gpu_memory(gpu), f"free on {gpu}"
         else:
             budget, source = planner.free_host_memory(), "free on this host (MemAvailable)"
         facts = planner.report(interface, measured, weights, batch, context or max_context, max_context,
@@ -267,14 +274,15 @@ def _plan_source(artifact: Path | None, variant: str | None, config_file: Path |
 
     # the plan reads the manifest only; a plan of a graph this host (or, with --device, a GPU) never runs
     # is refused
-    selection = select_variant(artifact, variant, ["CUDAExecutionProvider"] if device else None, verify=False)
+    providers = Device.parse(device).providers
+    selection = select_variant(artifact, variant, providers, verify=False)
     opened, entry = selection.artifact, selection.entry
     weights = variant_file_bytes(opened.manifest, entry)
     kind = ", ".join(str(k) for k in (entry.target, entry.precision, (entry.quantize or {}).get("mode")) if k)
     title = f"kiln plan: {opened.manifest.name}:{entry.name} ({kind})"
 
-    return (title, entry.interface if device else served_interface(entry), entry.memory, weights,
-            opened.manifest.model.max_context, not memory_on_host(entry))
+    return (title, served_interface(entry, providers), entry.memory, weights, opened.manifest.model.max_context,
+            not memory_on_host(entry, providers))
 
 
 def _artifact_variant(spec: str) -> tuple[Path, str | None]:

@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from .device import providers_for
 from .engine import Engine, Event, RequestError, Result
 from .manifest import Manifest, Variant
 from .openai_api import (
@@ -76,6 +77,7 @@ class ServeConfig:
     drain_timeout: float = 30.0
     verify: bool = True
     max_tokens_in_flight: int | None = None  # default: what the memory plan says this host holds
+    device: str | None = None  # cpu, cuda, cuda:N or auto (runtime/device.py)
 
 
 class Metrics:
@@ -598,7 +600,7 @@ def serve(config: ServeConfig) -> int:
 
     from .model import select_variant
 
-    selection = select_variant(config.artifact, config.variant, verify=config.verify)
+    selection = select_variant(config.artifact, config.variant, providers_for(config.device), verify=config.verify)
     if config.max_tokens_in_flight is None:
         budget = admission_budget(selection.artifact.manifest, selection.entry, config)
         config = dataclasses.replace(config, max_tokens_in_flight=budget)

@@ -31,6 +31,11 @@ import numpy as np
 CPU_PROVIDERS = ["CPUExecutionProvider"]  # what a backend runs on where no providers are asked for
 
 
+def provider_names(providers: Sequence[Any] | None) -> list[str]:
+    """The names of ONNX Runtime providers given as names or (name, options) pairs; the CPU's for None."""
+    return [p if isinstance(p, str) else p[0] for p in providers or CPU_PROVIDERS]
+
+
 @dataclass(frozen=True)
 class Limits:
     """What a backend takes, where it is less than the artifact allows (None: no bound of its own)."""

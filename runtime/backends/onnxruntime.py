@@ -64,6 +64,7 @@ from .base import (
     Limits,
     expand,
     kv_order,
+    provider_names,
     rows_of,
     with_kv_dtype,
     with_leading_slot,
@@ -124,8 +125,8 @@ def kernels_required(entry: Variant, providers: list[str] | None = None) -> str 
         return None
     from .. import cpu_kernels
 
-    why = (cpu_kernels.library()[1] if (providers or CPU_PROVIDERS) == CPU_PROVIDERS
-           else f"the providers asked for ({', '.join(providers or [])}) are not the CPU's")
+    why = (cpu_kernels.library()[1] if provider_names(providers) == CPU_PROVIDERS
+           else f"the providers asked for ({', '.join(provider_names(providers))}) are not the CPU's")
     missed = (f"; its model.onnx missed them: {', '.join(entry.model_failed_gates)}"
               if entry.model_failed_gates else "")
     return (f"variant {entry.name!r} runs only on Kiln's CPU kernels (cpu_kernels: required, its gates "
@@ -135,7 +136,7 @@ def kernels_required(entry: Variant, providers: list[str] | None = None) -> str 
 
 def kernel_library(entry: Variant, providers: list[str] | None = None) -> Path | None:
     """Kiln's CPU kernel library where this host runs the variant's graph for it, else None."""
-    if entry.kernel_model is None or (providers or CPU_PROVIDERS) != CPU_PROVIDERS:
+    if entry.kernel_model is None or provider_names(providers) != CPU_PROVIDERS:
         return None
     from .. import cpu_kernels
 
@@ -181,7 +182,7 @@ class OnnxRuntimeBackend(ClosesOnExit):
         import onnxruntime as ort
 
         providers = providers or CPU_PROVIDERS
-        missing = [p for p in providers if p not in ort.get_available_providers()]
+        missing = [p for p in provider_names(providers) if p not in ort.get_available_providers()]
         if missing:
             raise IncompatibleArtifact(
                 f"execution provider {missing[0]} is not available in this onnxruntime build; "

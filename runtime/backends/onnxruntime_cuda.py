@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import IncompatibleArtifact
 from ..manifest import Manifest, Variant
-from .base import HostFit
+from .base import HostFit, provider_names
 
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")  # the CPU's: shape arithmetic
 MIN_ONNXRUNTIME_GPU = "1.31.1"  # the release whose CUDA kernels the compile checked the graph against
@@ -39,7 +39,7 @@ def open_variant(folder: Path, entry: Variant, providers: list[str] | None = Non
 def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     """Why this host may not run the variant with `providers`, before anything loads: CUDA asked for (or
     left to the default) where this onnxruntime has no CUDA provider or no GPU is visible."""
-    if providers is not None and "CUDAExecutionProvider" not in providers:
+    if providers is not None and "CUDAExecutionProvider" not in provider_names(providers):
         return None  # the CPU provider alone: the graph as compile-model validated it
     why = cuda_missing()
     if why is None:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import IncompatibleArtifact
 from ..manifest import Manifest, Variant
-from .base import CPU_PROVIDERS, Backend, HostFit
+from .base import Backend, HostFit, provider_names
 
 if TYPE_CHECKING:
     from ..artifact import Artifact
@@ -48,6 +48,7 @@ class BackendKind:
     module: str  # the module with open_variant, refusal, served_interface and host_fit
     memory: str  # where its weights and KV cache live: "host" (planned here) or "device" (a GPU's)
     runs_on: str  # a few words for reports
+    devices: frozenset[str]  # the --device kinds that run it ("cpu", "cuda"); auto runs every kind
     # Whether other tools (Optimum, onnxruntime-genai) can be handed the variant's graph.
     opens_in_other_tools: bool
 
@@ -57,10 +58,13 @@ class BackendKind:
 
 # In the order they are tried: an entry with an engine runs it, even though it has a model.onnx too.
 KINDS = (
-    BackendKind("tensorrt", "engine", "runtime.backends.tensorrt", "device", "TensorRT engine", False),
-    BackendKind("onnxruntime-cuda", "providers", "runtime.backends.onnxruntime_cuda", "device", "ONNX Runtime CUDA",
+    BackendKind("tensorrt", "engine", "runtime.backends.tensorrt", "device", "TensorRT engine", frozenset({"cuda"}),
                 False),
-    BackendKind("onnxruntime", "model", "runtime.backends.onnxruntime", "host", "ONNX Runtime CPU", True),
+    # A CUDA variant's graph also runs under the CPU provider, as compile-model validated it (--device cpu).
+    BackendKind("onnxruntime-cuda", "providers", "runtime.backends.onnxruntime_cuda", "device", "ONNX Runtime CUDA",
+                frozenset({"cuda", "cpu"}), False),
+    BackendKind("onnxruntime", "model", "runtime.backends.onnxruntime", "host", "ONNX Runtime CPU", frozenset({"cpu"}),
+                True),
 )
 
 
@@ -86,17 +90,50 @@ def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     return kind_of(entry).load().refusal(entry, providers)
 
 
-def runnable_variant(artifact: Artifact, name: str | None = None, providers: list[str] | None = None) -> Variant:
-    """artifact.variant(name) where this host runs it, refused in one line before anything is loaded where
-    it does not (a variant for Kiln's CPU kernels alone, and they do not run here); without a name, the
-    first built variant this host runs."""
+def runnable_variant(artifact: Artifact, name: str | None = None, providers: list[Any] | None = None) -> Variant:
+    """artifact.variant(name) where this host runs it on the device `providers` name (runtime/device.py),
+    refused in one line before anything is loaded where it does not (a CPU variant asked for on CUDA, a
+    CUDA variant where this host has no GPU, a variant for Kiln's CPU kernels alone where they do not
+    run); without a name, the first built variant this host runs there, one built for that device
+    first (for auto: one built for a GPU, where this host has one)."""
+    device = device_of(providers)
     if name is None:
-        name = next((n for n, e in artifact.manifest.built().items() if not refusal(e, providers)), None)
+        runnable = [(n, e) for n, e in artifact.manifest.built().items()
+                    if (device == "auto" or device in kind_of(e).devices) and not refusal(e, providers)]
+        native = [n for n, e in runnable if _built_for(n, e, device, artifact.manifest)]
+        name = next(iter(native), None) or next((n for n, _ in runnable), None)
     entry = artifact.variant(name)
-    refused = refusal(entry, providers)
+    refused = device_refusal(entry, device) or refusal(entry, providers)
     if refused:
         raise IncompatibleArtifact(refused)
     return entry
+
+
+def _built_for(name: str, entry: Variant, device: str, manifest: Manifest) -> bool:
+    """Whether the device is the one the variant is built for: a CPU variant on cpu, a GPU variant on cuda
+    (and on auto, where this host runs it there)."""
+    on_gpu = kind_of(entry).memory == "device"
+    if device == "auto":
+        return on_gpu and host_fit(name, entry, manifest).fits
+    return on_gpu == (device == "cuda")
+
+
+def device_of(providers: list[Any] | None) -> str:
+    """The --device kind `providers` ask for: auto (none given), cuda (ONNX Runtime's CUDA provider) or cpu."""
+    if providers is None:
+        return "auto"
+    return "cuda" if "CUDAExecutionProvider" in provider_names(providers) else "cpu"
+
+
+def device_refusal(entry: Variant, device: str) -> str | None:
+    kind = kind_of(entry)
+    if device == "auto" or device in kind.devices:
+        return None
+    if device == "cuda":
+        return (f"variant {entry.name!r} is built for the CPU (target {entry.target}), not for CUDA: run it with "
+                "--device cpu, or compile a variant with target: onnxruntime-cuda")
+    return (f"variant {entry.name!r} runs on a GPU ({kind.runs_on}), not on the CPU: run it with --device cuda "
+            "on a GPU host, or pick a CPU variant")
 
 
 def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
@@ -114,7 +151,8 @@ def host_fit(name: str, entry: Variant, manifest: Manifest) -> HostFit:
 def memory_on_host(entry: Variant, providers: list[str] | None = None) -> bool:
     """Whether the variant's weights and KV cache would be this host's memory (not a GPU's) when run with
     `providers`: what memory planning plans."""
-    return kind_of(entry).memory == "host" and (providers or CPU_PROVIDERS)[0] == CPU_PROVIDERS[0]
+    device = device_of(providers)
+    return kind_of(entry).memory == "host" if device == "auto" else device == "cpu"
 
 
 def runs_on(entry: Variant) -> str:

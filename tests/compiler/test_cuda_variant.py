@@ -109,3 +109,42 @@ def test_what_a_cuda_variant_cannot_be_is_refused_in_the_recipe(variant, message
     with pytest.raises(RecipeError) as error:
         load_recipe(recipe)
     assert message in str(error.value)
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, "-m", *map(str, args)], capture_output=True, text=True)
+
+
+def test_device_picks_and_refuses_variants_in_one_line(cuda_artifact, tmp_path):
+    """--device cpu runs a CUDA variant's graph on the CPU when it is named, and otherwise picks a CPU
+    variant; --device cuda never runs a CPU variant; a device that is none of them is a usage error."""
+    on_cpu = _run("runtime.cli", cuda_artifact, "--variant", "cuda-fp16", "--device", "cpu", "--prompt", "hi",
+                  "--max-new-tokens", "4")
+    assert on_cpu.returncode == 0, on_cpu.stderr
+    assert Generator.load(cuda_artifact, device="cpu").engine is not None
+    assert runnable_variant(Artifact.open(cuda_artifact), providers=["CPUExecutionProvider"]).name == "cpu-fp16"
+    for command in (["runtime.cli", cuda_artifact, "--prompt", "hi"],
+                    ["runtime.kiln_cli", "serve", cuda_artifact, "--port", "0"],
+                    ["runtime.kiln_cli", "batch", cuda_artifact, tmp_path / "in.jsonl", tmp_path / "out.jsonl"]):
+        (tmp_path / "in.jsonl").write_text('{"id": "a", "prompt": "hi"}\n')
+        refused = _run(*command, "--variant", "cpu-fp16", "--device", "cuda:1")
+        assert refused.returncode == 2, (command, refused.stderr)
+        assert refused.stderr.strip().count("\n") == 0
+        assert "variant 'cpu-fp16' is built for the CPU (target onnxruntime), not for CUDA" in refused.stderr
+        assert not (tmp_path / "out.jsonl").exists()
+    bad = _run("runtime.cli", cuda_artifact, "--prompt", "hi", "--device", "gpu")
+    assert bad.returncode == 2 and "'--device': not cpu, cuda, cuda:N or auto" in bad.stderr
+
+
+def test_compare_model_runs_both_variants_on_the_cpu(cuda_artifact, tmp_path):
+    """compare-model --device cpu: the CUDA variant's graph against the CPU variant's, A/B on this host."""
+    from click.testing import CliRunner
+
+    from compiler.cli import compare_main
+
+    result = CliRunner().invoke(compare_main, [f"{cuda_artifact}:cpu-fp16", f"{cuda_artifact}:cuda-fp16", "--device",
+                                               "cpu", "--max-new-tokens", "8", "--speed-repeats", "0",
+                                               "--report", str(tmp_path / "report")])
+    assert result.exit_code in (0, 1), result.output
+    report = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert report["summary"]["top1_agreement"] > 0.9 and "cuda-fp16" in report["b"]["label"]

@@ -56,7 +56,8 @@ def test_unknown_variant_and_provider(tiny_artifacts):
 
     with pytest.raises(IncompatibleArtifact, match="no built variant 'gpu'; built variants: cpu-fp32"):
         Generator.load(tiny_artifacts["gpt2"], variant="gpu")
-    with pytest.raises(IncompatibleArtifact, match="execution provider CUDAExecutionProvider is not available"):
+    with pytest.raises(IncompatibleArtifact, match=r"variant 'cpu-fp32' is built for the CPU \(target onnxruntime\), "
+                                                   "not for CUDA: run it with --device cpu"):
         Generator.load(tiny_artifacts["gpt2"], providers=["CUDAExecutionProvider"])
 
 

@@ -29,7 +29,7 @@ def test_an_entry_with_an_engine_is_tensorrts_and_one_with_a_graph_onnxruntimes(
 def test_an_entry_naming_no_file_is_refused_in_one_line():
     with pytest.raises(IncompatibleArtifact) as refused:
         kind_of(entry())
-    assert "\n" not in str(refused.value) and "'engine' or 'model'" in str(refused.value)
+    assert "\n" not in str(refused.value) and "'engine' or 'providers' or 'model'" in str(refused.value)
 
 
 def test_every_kind_has_the_functions_the_registry_calls():
