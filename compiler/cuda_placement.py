@@ -15,7 +15,9 @@ integer or boolean outputs (Shape, Gather of a dimension, Concat of sizes). ONNX
 on the CPU by design, where their few int64 scalars are cheaper than a launch.
 
 What the table cannot see, a GPU host's profile shows: ONNX Runtime also moves to the CPU the nodes
-whose outputs a CUDA kernel reads on the host (GroupQueryAttention's total_sequence_length).
+whose outputs a CUDA kernel reads on the host (GroupQueryAttention's total_sequence_length). Where
+this host runs CUDA, `measure` replaces the prediction: ONNX Runtime's profiler over a prefill and a
+few decode steps says which provider ran each node, and how many copies to the host a step made.
 """
 
 from __future__ import annotations
@@ -43,12 +45,23 @@ class Placement:
     on_cpu: list[dict[str, Any]] = field(default_factory=list)  # {node, op, types, why}
     compute_nodes: int = 0
     shape_arithmetic: int = 0
+    measured: dict[str, Any] | None = None  # from ONNX Runtime's profile, where it ran (measure)
+    shape_nodes: frozenset[str] = frozenset()  # the shape arithmetic's node names
 
     @property
     def all_on_cuda(self) -> bool:
         return not self.on_cpu
 
     def summary(self) -> str:
+        where = f"measured on {self.measured['providers'][0]}: " if self.measured else ""
+        if self.measured and self.all_on_cuda:
+            return (f"{where}every compute node of {self.compute_nodes} ran on CUDA, {self.measured['copies_to_host']} "
+                    f"copies to the host a decode step ({self.shape_arithmetic} nodes of shape arithmetic on the CPU)")
+        if self.measured:
+            named = "; ".join(f"{n['node']} ({n['op']})" for n in self.on_cpu[:SHOWN])
+            more = f"; and {len(self.on_cpu) - SHOWN} more" if len(self.on_cpu) > SHOWN else ""
+            return (f"{where}{len(self.on_cpu)} nodes besides shape arithmetic ran on the CPU (the graph has "
+                    f"{self.compute_nodes} compute nodes; ONNX Runtime may add its own): {named}{more}")
         if self.all_on_cuda:
             return (f"every compute node of {self.compute_nodes} has a CUDA kernel in onnxruntime-gpu "
                     f"{ONNXRUNTIME_GPU} ({self.shape_arithmetic} nodes of shape arithmetic left to the CPU)")
@@ -58,8 +71,9 @@ class Placement:
                 f"{ONNXRUNTIME_GPU} and would run on the CPU: {named}{more}")
 
     def to_json(self) -> dict[str, Any]:
-        return {"onnxruntime_gpu": ONNXRUNTIME_GPU, "predicted": True, "compute_nodes": self.compute_nodes,
-                "shape_arithmetic": self.shape_arithmetic, "on_cpu": self.on_cpu}
+        return {"onnxruntime_gpu": ONNXRUNTIME_GPU, "predicted": self.measured is None,
+                "compute_nodes": self.compute_nodes, "shape_arithmetic": self.shape_arithmetic, "on_cpu": self.on_cpu,
+                **({"measured": self.measured} if self.measured else {})}
 
 
 def predict(proto: Any) -> Placement:
@@ -69,7 +83,7 @@ def predict(proto: Any) -> Placement:
     opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
     types = _declared_types(graph)
     shape_derived = {i.name for i in graph.initializer}
-    on_cpu, compute, shapes = [], 0, 0
+    on_cpu, compute, shapes, shape_nodes = [], 0, 0, set()
     for node in graph.node:
         schema = _schema(node.domain, node.op_type, opsets.get(node.domain, 1))
         bound = _bind(node, schema, types)
@@ -80,6 +94,7 @@ def predict(proto: Any) -> Placement:
         outputs = [types.get(name) for name in node.output if name]
         if from_shapes and all(t in INTEGER_TYPES for t in outputs if t):
             shape_derived.update(node.output)
+            shape_nodes.add(node.name)
             shapes += 1
             continue
         compute += 1
@@ -87,7 +102,46 @@ def predict(proto: Any) -> Placement:
         if why:
             on_cpu.append({"node": node.name or f"{node.op_type} -> {node.output[0]}", "op": _op(node),
                            "types": dict(sorted((k, v) for k, v in bound.items() if v)), "why": why})
-    return Placement(on_cpu, compute, shapes)
+    return Placement(on_cpu, compute, shapes, shape_nodes=frozenset(shape_nodes))
+
+
+def measure(model_path: Path, interface: dict[str, Any], providers: list[Any], work: Path,
+            decode_steps: int = 3) -> Placement:
+    """Which provider ran each node of the graph, from ONNX Runtime's profile of a prefill of 8 tokens and
+    `decode_steps` decode steps at batch 2. Nodes the prediction calls shape arithmetic, and ONNX Runtime's
+    own copies between devices, are not counted as compute on the CPU."""
+    import numpy as np
+
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
+
+    from .graph import load_structure
+
+    predicted = predict(load_structure(model_path))
+    work.mkdir(parents=True, exist_ok=True)
+    backend = OnnxRuntimeBackend(model_path, interface, providers, profile=work / "placement")
+    prompt = 8
+    cache = backend.new_cache(2, prompt + decode_steps + 1)
+    ids = np.ones((2, prompt), np.int64)
+    _, cache = backend.run(ids, np.ones((2, prompt), np.int64), np.tile(np.arange(prompt), (2, 1)), cache)
+    for step in range(decode_steps):
+        length = prompt + step + 1
+        _, cache = backend.run(ids[:, :1], np.ones((2, length), np.int64), np.full((2, 1), length - 1), cache)
+    events = json.loads(Path(backend.session.end_profiling()).read_text())
+    backend.close()
+    ran: dict[str, tuple[str, set[str]]] = {}
+    copies = 0
+    for event in events:
+        args = event.get("args") or {}
+        if event.get("cat") != "Node" or "provider" not in args:
+            continue
+        name = event["name"].removesuffix("_kernel_time")
+        ran.setdefault(name, (args.get("op_name", "?"), set()))[1].add(args["provider"])
+        copies += args.get("op_name") == "MemcpyToHost"
+    on_cpu = [{"node": name, "op": op, "providers": sorted(where)} for name, (op, where) in sorted(ran.items())
+              if "CPUExecutionProvider" in where and name not in predicted.shape_nodes and not op.startswith("Memcpy")]
+    measured = {"providers": [p if isinstance(p, str) else p[0] for p in providers], "nodes_run": len(ran),
+                "copies_to_host": copies // (decode_steps + 1), "decode_steps": decode_steps}
+    return Placement(on_cpu, predicted.compute_nodes, predicted.shape_arithmetic, measured)
 
 
 # -- types through the graph ---------------------------------------------------------------------

@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.backends.onnxruntime import OnnxRuntimeBackend
-from runtime.backends.onnxruntime_cuda import CUDA_PROVIDERS
+from runtime.backends.onnxruntime_cuda import CUDA_PROVIDERS, cuda_missing
 from runtime.backends.registry import ONNXRUNTIME_TARGETS, Target, open_backend
 from runtime.cpu_kernels import KERNEL_DATA_FILE, KERNEL_MODEL_FILE
 from runtime.manifest import Variant as VariantEntry
@@ -37,6 +37,7 @@ from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure
 from .compare import Side, assemble
+from .cuda_placement import measure as measure_placement
 from .cuda_placement import predict as predict_placement
 from .fusions import PACK_MATMULS, ROTARY_IN_ATTENTION
 from .graph import OnnxArtifact, load_structure
@@ -277,12 +278,16 @@ def kernels_accuracy_step(build: VariantBuild) -> None:
 
 def placement_step(build: VariantBuild) -> None:
     """A CUDA variant's finished graph against the CUDA kernels the pinned onnxruntime-gpu registers: a
-    compute node that has none would run on the CPU, so the variant fails, naming it. Predicted here
-    without a GPU; on a GPU host ONNX Runtime's profile is the measurement (scripts/gpu-check)."""
+    compute node that has none would run on the CPU, so the variant fails, naming it. Predicted on a host
+    without CUDA; where this host runs CUDA, measured instead: ONNX Runtime's profile of a few steps."""
     if build.variant.target != Target.ONNXRUNTIME_CUDA:
         return
     with build.log.step("placement on CUDA"):
-        placement = predict_placement(load_structure(build.graph.model_path))
+        if cuda_missing() is None:  # a GPU here: ONNX Runtime's profile says where each node ran
+            placement = measure_placement(build.graph.model_path, build.graph.interface, list(CUDA_PROVIDERS),
+                                          build.work / "placement")
+        else:
+            placement = predict_placement(load_structure(build.graph.model_path))
     build.report["cuda_placement"] = placement.to_json()
     build.log.note(f"placement: {placement.summary()}")
     if not placement.all_on_cuda:

@@ -177,8 +177,9 @@ class KvCache(list):
 
 class OnnxRuntimeBackend(ClosesOnExit):
     def __init__(self, model_path: Path, interface: dict[str, Any], providers: list[str] | None = None,
-                 threads: int | None = None, kernels: Path | None = None) -> None:
-        """`kernels`: Kiln's CPU kernel library, for a graph with its ops (runtime/cpu_kernels.py)."""
+                 threads: int | None = None, kernels: Path | None = None, profile: Path | None = None) -> None:
+        """`kernels`: Kiln's CPU kernel library, for a graph with its ops (runtime/cpu_kernels.py). `profile`:
+        where ONNX Runtime's profiler writes (the file name's start), for which provider ran each node."""
         import onnxruntime as ort
 
         providers = providers or CPU_PROVIDERS
@@ -197,6 +198,8 @@ class OnnxRuntimeBackend(ClosesOnExit):
         options.log_severity_level = 3  # warnings about pruned initializers are noise to a user
         if kernels is not None:
             options.register_custom_ops_library(str(kernels))
+        if profile is not None:
+            options.enable_profiling, options.profile_file_prefix = True, str(profile)
         self.kernels = kernels
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
         layers = interface["layers"]

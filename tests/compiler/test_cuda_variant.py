@@ -148,3 +148,20 @@ def test_compare_model_runs_both_variants_on_the_cpu(cuda_artifact, tmp_path):
     assert result.exit_code in (0, 1), result.output
     report = json.loads((tmp_path / "report" / "report.json").read_text())
     assert report["summary"]["top1_agreement"] > 0.9 and "cuda-fp16" in report["b"]["label"]
+
+
+def test_measured_placement_reads_onnx_runtimes_profile(cuda_artifact, tmp_path):
+    """What a GPU host's compile records, read here from the CPU provider's profile of the same graph: every
+    node it ran is on the CPU, the shape arithmetic left out, and no copy to the host (one device)."""
+    from compiler.cuda_placement import measure
+
+    entry = json.loads((cuda_artifact / "manifest.json").read_text())["variants"]["cuda-fp16"]
+    placement = measure(cuda_artifact / entry["model"], entry["interface"], ["CPUExecutionProvider"], tmp_path)
+    predicted = predict(onnx.load(str(cuda_artifact / entry["model"]), load_external_data=False))
+    assert placement.measured["providers"] == ["CPUExecutionProvider"] and placement.measured["copies_to_host"] == 0
+    ran = {n["node"] for n in placement.on_cpu}
+    attention = {n.name for n in onnx.load(str(cuda_artifact / entry["model"]), load_external_data=False).graph.node
+                 if n.op_type == "GroupQueryAttention"}
+    assert attention <= ran and not ran & predicted.shape_nodes
+    assert not placement.all_on_cuda and placement.summary().startswith("measured on CPUExecutionProvider: ")
+    assert placement.to_json()["predicted"] is False
