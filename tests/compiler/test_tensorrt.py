@@ -22,6 +22,7 @@ from compiler.recipe import Profiles, default_profiles, load_recipe
 from compiler.tensorrt_build import engine_profiles
 from runtime.artifact import Artifact
 from runtime.backends.onnxruntime import OnnxRuntimeBackend
+from runtime.backends.onnxruntime_cuda import cuda_missing
 from runtime.backends.registry import open_backend
 from runtime.backends.tensorrt import ShapeOutsideProfiles, check_host, pick_profile
 from runtime.errors import IncompatibleArtifact
@@ -200,7 +201,7 @@ def test_importing_compiler_and_runtime_needs_no_tensorrt():
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
-@pytest.mark.skipif(HAS_TENSORRT, reason="checks the refusal on a host without TensorRT")
+@pytest.mark.skipif(HAS_TENSORRT or cuda_missing() is None, reason="checks the refusal on a host with no GPU path")
 def test_gpu_check_script_refuses_this_host_in_one_line():
     from pathlib import Path
 
@@ -208,7 +209,8 @@ def test_gpu_check_script_refuses_this_host_in_one_line():
     result = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
     assert result.returncode == 2
     assert result.stderr.strip() == result.stderr.strip().splitlines()[0]
-    assert result.stderr.startswith("gpu-check: TensorRT")
+    assert result.stderr.startswith("gpu-check: no GPU path runs on this host (onnxruntime-cuda: ")
+    assert "tensorrt: TensorRT" in result.stderr
 
 
 # -- on a GPU host with TensorRT ------------------------------------------------------------------
