@@ -41,6 +41,7 @@ from .cuda_placement import measure as measure_placement
 from .cuda_placement import predict as predict_placement
 from .fusions import PACK_MATMULS, ROTARY_IN_ATTENTION
 from .graph import OnnxArtifact, load_structure
+from .kv_rows import GATHER_FILE, SCATTER_FILE, write_kv_row_graphs
 from .optimize import GENAI_MODEL_FILE, fold_rotary, kernel_graph, optimize, pack
 from .package import write_json
 from .progress import StageLog, release_freed_memory
@@ -316,6 +317,9 @@ def files_step(build: VariantBuild) -> None:
             entry["kernel_kv_cache"] = kernels.interface["inputs"][3]["dtype"]
         if "activations" in kernels.interface:
             entry["kernel_activations"] = kernels.interface["activations"]
+    if build.variant.target == Target.ONNXRUNTIME_CUDA:  # the cache's row moves, run where the cache lives
+        rows = write_kv_row_graphs(folder, build.graph.interface["inputs"][3]["dtype"])
+        build.graph = dataclasses.replace(build.graph, files=[*build.graph.files, *rows])
     write_json(folder / "report.json", build.report)
 
 
@@ -333,6 +337,7 @@ def entry_step(build: VariantBuild) -> None:
         entry["genai_model"] = f"variants/{name}/{GENAI_MODEL_FILE}"
     if variant.target == Target.ONNXRUNTIME_CUDA:  # the runtime opens it with these (backends/registry.py)
         entry["providers"] = list(CUDA_PROVIDERS)
+        entry["kv_row_graphs"] = [f"variants/{name}/{file}" for file in (GATHER_FILE, SCATTER_FILE)]
     entry.update(build.kernel_entry)
     if variant.cpu_kernels == "required":
         entry["cpu_kernels"] = "required"

@@ -82,6 +82,7 @@ class Variant:
     genai_model: str | None  # the graph onnxruntime-genai opens, where model.onnx folds rotary into attention
     engine: Mapping[str, Any] | None  # a TensorRT variant's engine facts: file, profiles_file, versions, GPU
     providers: tuple[str, ...] | None  # the ONNX Runtime providers a CUDA variant is built for, in order
+    kv_row_graphs: tuple[str, ...]  # a CUDA variant's graphs that move cache rows on the device: gather, scatter
     # The graph for Kiln's CPU kernels, and what it changes of the interface.
     kernel_model: str | None
     kernel_prefill: str | None  # "batched": every prompt row in one step
@@ -210,6 +211,9 @@ def _variant_problem(entry: dict[str, Any], files: dict[str, Any]) -> str | None
                       ("genai_model", entry.get("genai_model")), ("engine", engine.get("file"))):
         if path is not None and (not isinstance(path, str) or path not in files):
             return f"points at {path!r} ({key}), which the manifest does not list"
+    for path in entry.get("kv_row_graphs") or ():
+        if path not in files:
+            return f"points at {path!r} (kv_row_graphs), which the manifest does not list"
     profiles = engine.get("profiles_file")
     if profiles is not None:
         folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)
@@ -241,6 +245,7 @@ def _variant(name: str, entry: dict[str, Any]) -> Variant:
         files=_tuple(entry.get("files")), model=entry.get("model"), genai_model=entry.get("genai_model"),
         engine=entry.get("engine"), kernel_model=entry.get("kernel_model"),
         providers=tuple(entry["providers"]) if entry.get("providers") is not None else None,
+        kv_row_graphs=_tuple(entry.get("kv_row_graphs")),
         kernel_prefill=entry.get("kernel_prefill"), kernel_kv_cache=entry.get("kernel_kv_cache"),
         kernel_activations=entry.get("kernel_activations"), cpu_kernels=entry.get("cpu_kernels"),
         failed_gates=_tuple(entry.get("failed_gates")), model_failed_gates=_tuple(entry.get("model_failed_gates")),

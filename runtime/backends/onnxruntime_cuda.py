@@ -2,38 +2,57 @@
 half precision end to end and predicted at compile time to run every compute node on CUDA
 (compiler/cuda_placement.py). Their manifest entry names the providers it is built for.
 
-The session is ONNX Runtime's (backends/onnxruntime.py, OnnxRuntimeBackend) with the CUDA provider
-first. Asked for the CPU provider alone, the same graph runs on the CPU, as compile-model validated it
-against eager: for checks and A/B on a machine without a GPU, not for speed.
+On CUDA, the KV cache stays on the GPU (OnnxRuntimeCudaBackend): each tensor is an OrtValue in the
+GPU's memory, bound once as past and present and updated in place by GroupQueryAttention. A step
+sends up only the token ids, positions and mask, and brings back only the logits. Rows that join,
+leave or follow their beam parent move on the device too, through the two small graphs each CUDA
+variant ships (kv_gather.onnx, kv_scatter.onnx: compiler/kv_rows.py), run on the same provider.
 
-Not run on a GPU by this project yet (docs/gpu.md): the KV cache is bound from host memory, not kept
-on the device between steps.
+Asked for the CPU provider alone, the same graph runs on the CPU with Kiln's ONNX Runtime backend
+(backends/onnxruntime.py), as compile-model validated it against eager: for checks and A/B on a
+machine without a GPU, not for speed.
+
+Not run on a GPU by this project yet (docs/gpu.md); the device-resident backend is tested with its
+OrtValues in host memory (device "cpu"), against the CPU backend.
 """
 
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..errors import IncompatibleArtifact
 from ..manifest import Manifest, Variant
-from .base import HostFit, provider_names
+from .base import ClosesOnExit, HostFit, Limits, expand, provider_names
+from .onnxruntime import front_mask
 
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")  # the CPU's: shape arithmetic
 MIN_ONNXRUNTIME_GPU = "1.31.1"  # the release whose CUDA kernels the compile checked the graph against
 
 
-def open_variant(folder: Path, entry: Variant, providers: list[str] | None = None, threads: int | None = None,
+def open_variant(folder: Path, entry: Variant, providers: list[Any] | None = None, threads: int | None = None,
                  verified: bool = True) -> Any:
-    """The variant's graph on ONNX Runtime with `providers` (default: CUDA, then the CPU for shape arithmetic)."""
+    """The variant's graph with its KV cache on the GPU where `providers` (default: CUDA, then the CPU for
+    shape arithmetic) ask for CUDA; on the CPU's backend where they do not."""
     from .onnxruntime import OnnxRuntimeBackend
 
     refused = refusal(entry, providers)
     if refused:
         raise IncompatibleArtifact(refused)
-    return OnnxRuntimeBackend(folder / entry.model, entry.interface, list(providers or CUDA_PROVIDERS), threads)
+    providers = list(providers or CUDA_PROVIDERS)
+    if "CUDAExecutionProvider" not in provider_names(providers):
+        return OnnxRuntimeBackend(folder / entry.model, entry.interface, providers, threads)
+    if len(entry.kv_row_graphs) != 2:
+        raise IncompatibleArtifact(f"variant {entry.name!r} has no graphs to move its cache's rows on the GPU "
+                                   "(kv_row_graphs); recompile it")
+    cuda = next(p for p in providers if provider_names([p]) == ["CUDAExecutionProvider"])
+    device_id = int(cuda[1].get("device_id", 0)) if not isinstance(cuda, str) else 0
+    gather, scatter = (folder / path for path in entry.kv_row_graphs)
+    return OnnxRuntimeCudaBackend(folder / entry.model, entry.interface, gather, scatter, providers, "cuda", device_id)
 
 
 def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
@@ -93,3 +112,157 @@ def visible_gpus() -> int | None:
         return 0
     return count.value
 
+
+
+class DeviceKvCache(list):
+    """A batch's KV cache where the session runs: an OrtValue per KV tensor, [rows, kv_heads, capacity,
+    head_dim], each row stored from slot 0, the first `length` slots in use (the mask's width)."""
+
+    def __init__(self, values: list[Any], length: int, batch: int) -> None:
+        super().__init__(values)
+        self.length, self.batch = length, batch
+        self.binding: Any = None  # bound once: the same buffers are past and present at every step
+        self.seq: int | None = None  # the sequence length the logits output is bound for
+        self.logits: np.ndarray | None = None
+        self.host: list[np.ndarray] | None = None
+
+    @property
+    def capacity(self) -> int:
+        return self[0].shape()[2]
+
+
+class OnnxRuntimeCudaBackend(ClosesOnExit):
+    """A CUDA variant's graph with its KV cache kept on `device` (module doc). The graph's interface is
+    the fused one: shared buffers, each row's length read from its mask (row_lengths: mask)."""
+
+    def __init__(self, model_path: Path, interface: Mapping[str, Any], gather: Path, scatter: Path,
+                 providers: list[Any], device: str = "cuda", device_id: int = 0) -> None:
+        import onnxruntime as ort
+
+        if interface.get("kv_sharing") != "shared-buffer" or interface.get("row_lengths") != "mask":
+            raise IncompatibleArtifact("the variant's graph does not update a shared KV buffer in place; recompile it")
+        missing = [p for p in provider_names(providers) if p not in ort.get_available_providers()]
+        if missing:
+            raise IncompatibleArtifact(f"execution provider {missing[0]} is not available in this onnxruntime build")
+        options = ort.SessionOptions()
+        options.log_severity_level = 3
+        self.session = ort.InferenceSession(str(model_path), options, providers=providers)
+        self.gather = ort.InferenceSession(str(gather), options, providers=providers)
+        self.scatter = ort.InferenceSession(str(scatter), options, providers=providers)
+        self.device, self.device_id = device, device_id
+        layers = interface["layers"]
+        self.past_names = expand(interface["inputs"][3:], layers)
+        self.present_names = expand(interface["outputs"][1:], layers)
+        self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
+        self.vocab_size = interface["vocab_size"]
+        self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
+        self.logits_dtype = np.dtype(interface["outputs"][0]["dtype"])
+        self.logits_last = interface.get("logits") == "last"
+        # GroupQueryAttention takes a prompt in pieces for one row at a time; a first prompt cannot run into
+        # rows of a running batch (no views of device memory): it runs in a cache of its own and joins.
+        self.limits = Limits(chunked_prefill="one-row", rows_in_place=False)
+
+    def new_cache(self, batch: int, capacity: int) -> DeviceKvCache:
+        import onnxruntime as ort
+
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
+        zeros = [np.zeros(shape, self.kv_dtype) for _ in self.past_names]  # copied to a GPU; wrapped in host memory
+        cache = DeviceKvCache([ort.OrtValue.ortvalue_from_numpy(z, self.device, self.device_id) for z in zeros], 0,
+                              batch)
+        cache.host = zeros if self.device == "cpu" else None  # what a host OrtValue's memory is: kept alive
+        return cache
+
+    def keep_rows(self, cache: DeviceKvCache, rows: Sequence[int], front: int = 0,
+                  capacity: int | None = None) -> DeviceKvCache:
+        """The base protocol's keep_rows, on the device (kv_gather). Rows start at slot 0, so slots added or
+        dropped in front change only the length callers see."""
+        capacity = capacity or cache.capacity
+        length = cache.length + front
+        if capacity == cache.capacity and list(rows) == list(range(cache.batch)):
+            cache.length = length
+            return cache
+        keep = min(length, cache.length)
+        return DeviceKvCache([self._gather(value, rows, keep, capacity) for value in cache], length, len(rows))
+
+    def write_rows(self, cache: DeviceKvCache, rows: Sequence[int], source: DeviceKvCache,
+                   source_rows: Sequence[int]) -> DeviceKvCache:
+        """Rows of `source` into `rows` of `cache`, on the device (kv_scatter): new buffers, the old let go."""
+        if source.length > cache.capacity:
+            raise ValueError(f"rows of {source.length} slots do not fit buffers of {cache.capacity}")
+        values = [self._scatter(value, rows, copied, source_rows, source.length)
+                  for value, copied in zip(cache, source, strict=True)]
+        return DeviceKvCache(values, cache.length, cache.batch)
+
+    def view_rows(self, cache: DeviceKvCache, first: int, count: int) -> None:
+        return None  # limits.rows_in_place is False
+
+    def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+            cache: DeviceKvCache) -> tuple[np.ndarray, DeviceKvCache]:
+        """A step on rows stored from slot 0: the callers' right-aligned mask becomes each row's length. Rows
+        whose new tokens differ in number (prompts of different lengths, a chunk) run one at a time."""
+        if attention_mask.shape[1] > cache.capacity:
+            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
+        seq = input_ids.shape[1]
+        lengths = attention_mask.sum(1)
+        new = attention_mask[:, -seq:].sum(1)
+        if np.any((new == 0) & (lengths > 0)):
+            raise ValueError("a row with slots in use must feed its next token: its newest column is masked")
+        if seq == 1 or (np.all(new == seq) and np.all(lengths == seq)):
+            logits = self._run_in_place(input_ids, front_mask(lengths), position_ids, cache)
+        else:
+            logits = np.zeros((len(input_ids), 1 if self.logits_last else seq, self.vocab_size), np.float32)
+            for row in np.flatnonzero(new):
+                count, length = int(new[row]), int(lengths[row])
+                alone = DeviceKvCache([self._gather(value, [row], length - count, cache.capacity) for value in cache],
+                                      length - count, 1)
+                out = self._run_in_place(input_ids[row:row + 1, seq - count:], np.ones((1, length), np.int64),
+                                         position_ids[row:row + 1, seq - count:], alone)
+                cache = self.write_rows(cache, [row], alone, [0])
+                logits[row, logits.shape[1] - out.shape[1]:] = out[0]
+        cache.length = attention_mask.shape[1]
+        return logits, cache
+
+    def close(self) -> None:
+        self.session = self.gather = self.scatter = None
+
+    def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
+                      cache: DeviceKvCache) -> np.ndarray:
+        import onnxruntime as ort
+
+        if cache.binding is None:
+            cache.binding = self.session.io_binding()
+            for name, value in zip(self.past_names, cache, strict=True):
+                cache.binding.bind_ortvalue_input(name, value)
+        if cache.seq != input_ids.shape[1]:
+            cache.binding.clear_binding_outputs()
+            rows = 1 if self.logits_last else input_ids.shape[1]
+            cache.logits = np.empty((len(input_ids), rows, self.vocab_size), self.logits_dtype)
+            cache.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(cache.logits))
+            for name, value in zip(self.present_names, cache, strict=True):
+                cache.binding.bind_ortvalue_output(name, value)
+            cache.seq = input_ids.shape[1]
+        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
+                            ("position_ids", position_ids)):
+            cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
+        self.session.run_with_iobinding(cache.binding)
+        cache.length = attention_mask.shape[1]
+        return cache.logits.copy()  # a copy: the next step writes the same buffer
+
+    def _gather(self, value: Any, rows: Sequence[int], keep: int, capacity: int) -> Any:
+        return self._moved(self.gather, {"cache": value}, {"rows": rows, "keep": [keep], "capacity": [capacity]})
+
+    def _scatter(self, value: Any, rows: Sequence[int], source: Any, source_rows: Sequence[int], count: int) -> Any:
+        return self._moved(self.scatter, {"cache": value, "source": source},
+                           {"rows": rows, "source_rows": source_rows, "count": [count]})
+
+    def _moved(self, session: Any, tensors: dict[str, Any], indices: dict[str, Sequence[int]]) -> Any:
+        """One run of a row-move graph: KV tensors bound where they are, indices from the host, the output
+        left on the device."""
+        binding = session.io_binding()
+        for name, value in tensors.items():
+            binding.bind_ortvalue_input(name, value)
+        for name, values in indices.items():
+            binding.bind_cpu_input(name, np.asarray(list(values), np.int64))
+        binding.bind_output("out", self.device, self.device_id)
+        session.run_with_iobinding(binding)
+        return binding.get_outputs()[0]

@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 
+import numpy as np
 import onnx
 import pytest
 
@@ -165,3 +166,54 @@ def test_measured_placement_reads_onnx_runtimes_profile(cuda_artifact, tmp_path)
     assert attention <= ran and not ran & predicted.shape_nodes
     assert not placement.all_on_cuda and placement.summary().startswith("measured on CPUExecutionProvider: ")
     assert placement.to_json()["predicted"] is False
+
+
+def test_the_row_graphs_move_rows_as_numpy_does_and_run_on_cuda(tmp_path):
+    import onnxruntime as ort
+
+    from compiler.kv_rows import write_kv_row_graphs
+
+    names = write_kv_row_graphs(tmp_path, "float16")
+    gather, scatter = (ort.InferenceSession(str(tmp_path / name)) for name in names)
+    rng = np.random.default_rng(0)
+    cache = rng.standard_normal((3, 2, 10, 4)).astype(np.float16)
+    kept = gather.run(None, {"cache": cache, "rows": np.array([2, -1, 0, 0]), "keep": np.array([6]),
+                             "capacity": np.array([12])})[0]
+    expected = np.zeros((4, 2, 12, 4), np.float16)
+    expected[0, :, :6], expected[2, :, :6], expected[3, :, :6] = cache[2, :, :6], cache[0, :, :6], cache[0, :, :6]
+    assert np.array_equal(kept, expected)
+    source = rng.standard_normal((2, 2, 7, 4)).astype(np.float16)
+    written = scatter.run(None, {"cache": cache, "rows": np.array([1, 2]), "source": source,
+                                 "source_rows": np.array([1, 0]), "count": np.array([5])})[0]
+    expected = cache.copy()
+    expected[1, :, :5], expected[2, :, :5] = source[1, :, :5], source[0, :, :5]
+    assert np.array_equal(written, expected)
+    for name in names:
+        assert predict(onnx.load(str(tmp_path / name))).all_on_cuda
+
+
+def test_the_device_resident_cache_decodes_as_the_cpu_backend(cuda_artifact):
+    """OnnxRuntimeCudaBackend with its OrtValues in host memory (device cpu): the same tokens as the CPU
+    backend through joins, a prompt fed in pieces, compaction and beams, all its row moves on the graphs."""
+    from runtime.backends.onnxruntime import OnnxRuntimeBackend
+    from runtime.backends.onnxruntime_cuda import OnnxRuntimeCudaBackend
+    from runtime.model import Model
+    from runtime.tokenizer import Tokenizer
+
+    artifact = Artifact.open(cuda_artifact)
+    entry = artifact.variant("cuda-fp16")
+    rng = np.random.default_rng(1)
+    prompts = [[int(t) for t in rng.integers(3, 300, size=n)] for n in (3, 9, 5, 17, 2, 11, 7, 4, 13, 6)]
+
+    def tokens(backend, params):
+        model = Model(artifact, entry, backend, Tokenizer(artifact.tokenizer_dir))
+        generator = Generator.of(model, 4, 8)  # 4 rows for 10 prompts: joins; 8-token prefill steps: pieces
+        return [r.token_ids for r in generator.generate(prompts, params)]
+
+    graph = cuda_artifact / entry.model
+    rows = [cuda_artifact / path for path in entry.kv_row_graphs]
+    for params in (SamplingParams(max_new_tokens=12, ignore_eos=True),
+                   SamplingParams(max_new_tokens=8, num_beams=3, ignore_eos=True)):
+        on_device = OnnxRuntimeCudaBackend(graph, entry.interface, *rows, ["CPUExecutionProvider"], "cpu")
+        assert not on_device.limits.rows_in_place and on_device.view_rows(on_device.new_cache(2, 8), 0, 1) is None
+        assert tokens(on_device, params) == tokens(OnnxRuntimeBackend(graph, entry.interface), params)
