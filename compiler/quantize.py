@@ -41,6 +41,7 @@ second pass, so the weights a search keeps cost a quarter of their fp32 bytes.
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import shutil
 from collections.abc import Callable, Sequence
@@ -121,6 +122,20 @@ def _matches(path: str, spec: Any) -> bool:
 
 
 # -- the modes -------------------------------------------------------------------------------------
+
+def _int4_then_fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
+                    folder: Path) -> Made:
+    """int4 weight blocks (MatMulNBits), then the whole graph in fp16 as _fp16 makes it: a CUDA variant's
+    4-bit weights over half-precision activations, scales in fp16."""
+    interface, on_grid, notes = _weight_blocks(bits=4)(proto, source, variant, calibration, excluded,
+                                                        folder / ".int4")
+    quantized = load_structure(folder / ".int4" / MODEL_FILE)
+    load_weights(quantized, folder / ".int4")
+    half, _, _ = _fp16(quantized, dataclasses.replace(source, interface=interface), variant, calibration, [], folder)
+    del quantized
+    shutil.rmtree(folder / ".int4")
+    return half, on_grid, notes
+
 
 def _weight_blocks(bits: int) -> Callable[..., Made]:
     def make(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
@@ -550,6 +565,7 @@ QUANTIZERS: dict[tuple[str, str | None], Callable[..., Made]] = {
     ("fp32", "int4"): _weight_blocks(bits=4),
     ("fp32", "int8-static"): _qdq_static,
     ("fp16", None): _fp16,
+    ("fp16", "int4"): _int4_then_fp16,
 }
 
 

@@ -184,8 +184,9 @@ BUILDS_BY_TARGET = {
                     ("fp16", None)},
     "tensorrt": {("fp32", None), ("fp16", None), ("fp32", "int8-static")},
     # Half precision end to end (attention and its KV cache included): ONNX Runtime's CUDA kernels for
-    # GroupQueryAttention take fp16 and bf16 only. bf16 and int4 are not built yet (see docs/gpu.md).
-    "onnxruntime-cuda": {("fp16", None)},
+    # GroupQueryAttention take fp16 and bf16 only; int4 weights (MatMulNBits) over fp16 activations. bf16
+    # is not built yet (see docs/gpu.md).
+    "onnxruntime-cuda": {("fp16", None), ("fp16", "int4")},
 }
 DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
 DEFAULT_CALIBRATION = DATA / "calibration.jsonl"

@@ -26,6 +26,7 @@ from tests.conftest import write_recipe
 VARIANTS = """\
   - {name: cuda-fp16, target: onnxruntime-cuda, precision: fp16}
   - {name: cpu-fp16, target: onnxruntime, precision: fp16}
+  - {name: cuda-int4, target: onnxruntime-cuda, precision: fp16, quantize: {mode: int4, block_size: 16}}
 """
 NO_CUDA = cuda_missing() is not None
 
@@ -99,9 +100,9 @@ def test_a_host_without_cuda_skips_the_variant_and_refuses_it_by_name(cuda_artif
 @pytest.mark.parametrize(("variant", "message"), [
     ("{name: c, target: onnxruntime-cuda, precision: fp16, fuse: false}",
      "fuse: false cannot be built for onnxruntime-cuda"),
-    ("{name: c, target: onnxruntime-cuda}", "fp32 cannot be built for onnxruntime-cuda; allowed: fp16"),
+    ("{name: c, target: onnxruntime-cuda}", "fp32 cannot be built for onnxruntime-cuda; allowed: fp16, fp16 + int4"),
     ("{name: c, target: onnxruntime-cuda, precision: fp16, quantize: {mode: int8-dynamic}}",
-     "cannot be built for onnxruntime-cuda"),
+     "fp16 + int8-dynamic cannot be built for onnxruntime-cuda; allowed: fp16, fp16 + int4"),
     ("{name: c, target: onnxruntime-cuda, precision: fp16, cpu_kernels: required}",
      "cpu_kernels: required is for onnxruntime variants"),
 ])
@@ -217,3 +218,20 @@ def test_the_device_resident_cache_decodes_as_the_cpu_backend(cuda_artifact):
         on_device = OnnxRuntimeCudaBackend(graph, entry.interface, *rows, ["CPUExecutionProvider"], "cpu")
         assert not on_device.limits.rows_in_place and on_device.view_rows(on_device.new_cache(2, 8), 0, 1) is None
         assert tokens(on_device, params) == tokens(OnnxRuntimeBackend(graph, entry.interface), params)
+
+
+def test_int4_weights_over_half_precision_activations(cuda_artifact):
+    """cuda-int4: MatMulNBits with fp16 activations and scales (CUDA's kernel takes them), every compute node
+    predicted on CUDA, run here under the CPU provider against eager like the fp16 variant."""
+    manifest = json.loads((cuda_artifact / "manifest.json").read_text())
+    entry = manifest["variants"]["cuda-int4"]
+    assert entry["status"] == "built" and entry["quantize"]["mode"] == "int4"
+    graph = onnx.load(str(cuda_artifact / entry["model"]), load_external_data=False)
+    placement = predict(graph)
+    assert placement.all_on_cuda, placement.on_cpu
+    blocks = [n for n in graph.graph.node if n.op_type == "MatMulNBits"]
+    assert blocks
+    scales = {i.name: i.data_type for i in graph.graph.initializer}
+    assert all(scales[n.input[2]] == onnx.TensorProto.FLOAT16 for n in blocks)
+    report = json.loads((cuda_artifact / "reports" / "cuda-int4.json").read_text())
+    assert report["summary"]["perplexity_change"] < 0.05  # measured against eager on the CPU provider
