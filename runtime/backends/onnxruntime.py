@@ -315,13 +315,8 @@ class OnnxRuntimeBackend(ClosesOnExit):
     def _run_front_aligned(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                            cache: KvCache) -> tuple[np.ndarray, KvCache]:
         """A step on rows stored from slot 0: the callers' right-aligned mask becomes each row's length."""
-        if attention_mask.shape[1] > cache.capacity:
-            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
         seq = input_ids.shape[1]
-        lengths = attention_mask.sum(1)
-        new = attention_mask[:, -seq:].sum(1)
-        if np.any((new == 0) & (lengths > 0)):
-            raise ValueError("a row with slots in use must feed its next token: its newest column is masked")
+        lengths, new = row_lengths(attention_mask, seq, cache.capacity)
         rows, spare = len(input_ids), cache[0].shape[0] - len(input_ids)
         if rows * seq < self.min_rows and spare:  # a lone decode step: a dummy token in the spare row
             logits, cache = self._run_in_place(*self._beside_dummy(input_ids, lengths, position_ids, spare), cache)
@@ -389,29 +384,53 @@ class OnnxRuntimeBackend(ClosesOnExit):
 
         if attention_mask.shape[1] > cache.capacity:
             raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
-        if cache.binding is None:  # once per cache: the buffers stay bound for every step
-            cache.binding = self.session.io_binding()
-            # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present.
+        if cache.values is None:  # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present
             cache.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in cache]
-            for past_name, value in zip(self.past_names, cache.values, strict=True):
-                cache.binding.bind_ortvalue_input(past_name, value)
-        if cache.seq != input_ids.shape[1]:
-            # The logits go into an array of ours, bound once per shape (prefill -> decode with
-            # `logits: all` changes it): reading ONNX Runtime's own output back (get_outputs) wraps
-            # every bound output, the KV buffers too, on each step.
-            cache.binding.clear_binding_outputs()
-            rows = 1 if self.logits_last else input_ids.shape[1]
-            cache.logits = np.empty((len(input_ids), rows, self.vocab_size), self.logits_dtype)
-            cache.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(cache.logits))
-            for present_name, value in zip(self.output_names[1:], cache.values, strict=True):
-                cache.binding.bind_ortvalue_output(present_name, value)
-            cache.seq = input_ids.shape[1]
-        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                            ("position_ids", position_ids)):
-            cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
-        self.session.run_with_iobinding(cache.binding)
-        cache.length = attention_mask.shape[1]
-        return cache.logits.copy(), cache  # a copy: the next run writes the same buffer
+        logits = run_in_place(self.session, cache, cache.values, self.past_names, self.output_names[1:],
+                              (input_ids, attention_mask, position_ids), self.logits_last, self.vocab_size,
+                              self.logits_dtype)
+        return logits, cache
+
+
+def row_lengths(attention_mask: np.ndarray, seq: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's length and its new tokens at a step on rows stored from slot 0, from the callers'
+    right-aligned mask; refused where the buffers are short or a row in use feeds no token."""
+    if attention_mask.shape[1] > capacity:
+        raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {capacity}")
+    lengths = attention_mask.sum(1)
+    new = attention_mask[:, -seq:].sum(1)
+    if np.any((new == 0) & (lengths > 0)):
+        raise ValueError("a row with slots in use must feed its next token: its newest column is masked")
+    return lengths, new
+
+
+def run_in_place(session: Any, cache: Any, values: Sequence[Any], past_names: Sequence[str],
+                 present_names: Sequence[str], inputs: tuple[np.ndarray, np.ndarray, np.ndarray], logits_last: bool,
+                 vocab_size: int, logits_dtype: np.dtype) -> np.ndarray:
+    """One step over KV buffers (OrtValues `values`, wherever they live) bound as past and present alike,
+    once per cache: the graph updates them in place. The logits go into an array of ours, bound once per
+    shape (prefill -> decode with `logits: all` changes it): reading ONNX Runtime's own output back
+    (get_outputs) wraps every bound output, the KV buffers too, on each step. `cache` keeps the binding."""
+    import onnxruntime as ort
+
+    input_ids, attention_mask, position_ids = inputs
+    if cache.binding is None:
+        cache.binding = session.io_binding()
+        for name, value in zip(past_names, values, strict=True):
+            cache.binding.bind_ortvalue_input(name, value)
+    if cache.seq != input_ids.shape[1]:
+        cache.binding.clear_binding_outputs()
+        rows = 1 if logits_last else input_ids.shape[1]
+        cache.logits = np.empty((len(input_ids), rows, vocab_size), logits_dtype)
+        cache.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(cache.logits))
+        for name, value in zip(present_names, values, strict=True):
+            cache.binding.bind_ortvalue_output(name, value)
+        cache.seq = input_ids.shape[1]
+    for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask), ("position_ids", position_ids)):
+        cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
+    session.run_with_iobinding(cache.binding)
+    cache.length = attention_mask.shape[1]
+    return cache.logits.copy()  # a copy: the next step writes the same buffer
 
 
 def _first_rows(cache: KvCache, rows: int) -> KvCache:

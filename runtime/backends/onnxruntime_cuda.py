@@ -28,7 +28,7 @@ import numpy as np
 from ..errors import IncompatibleArtifact
 from ..manifest import Manifest, Variant
 from .base import ClosesOnExit, HostFit, Limits, expand, provider_names
-from .onnxruntime import front_mask
+from .onnxruntime import front_mask, row_lengths, run_in_place
 
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")  # the CPU's: shape arithmetic
 MIN_ONNXRUNTIME_GPU = "1.31.1"  # the release whose CUDA kernels the compile checked the graph against
@@ -200,13 +200,8 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
             cache: DeviceKvCache) -> tuple[np.ndarray, DeviceKvCache]:
         """A step on rows stored from slot 0: the callers' right-aligned mask becomes each row's length. Rows
         whose new tokens differ in number (prompts of different lengths, a chunk) run one at a time."""
-        if attention_mask.shape[1] > cache.capacity:
-            raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
         seq = input_ids.shape[1]
-        lengths = attention_mask.sum(1)
-        new = attention_mask[:, -seq:].sum(1)
-        if np.any((new == 0) & (lengths > 0)):
-            raise ValueError("a row with slots in use must feed its next token: its newest column is masked")
+        lengths, new = row_lengths(attention_mask, seq, cache.capacity)
         if seq == 1 or (np.all(new == seq) and np.all(lengths == seq)):
             logits = self._run_in_place(input_ids, front_mask(lengths), position_ids, cache)
         else:
@@ -227,26 +222,9 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
 
     def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                       cache: DeviceKvCache) -> np.ndarray:
-        import onnxruntime as ort
-
-        if cache.binding is None:
-            cache.binding = self.session.io_binding()
-            for name, value in zip(self.past_names, cache, strict=True):
-                cache.binding.bind_ortvalue_input(name, value)
-        if cache.seq != input_ids.shape[1]:
-            cache.binding.clear_binding_outputs()
-            rows = 1 if self.logits_last else input_ids.shape[1]
-            cache.logits = np.empty((len(input_ids), rows, self.vocab_size), self.logits_dtype)
-            cache.binding.bind_ortvalue_output("logits", ort.OrtValue.ortvalue_from_numpy(cache.logits))
-            for name, value in zip(self.present_names, cache, strict=True):
-                cache.binding.bind_ortvalue_output(name, value)
-            cache.seq = input_ids.shape[1]
-        for name, array in (("input_ids", input_ids), ("attention_mask", attention_mask),
-                            ("position_ids", position_ids)):
-            cache.binding.bind_cpu_input(name, np.ascontiguousarray(array, np.int64))
-        self.session.run_with_iobinding(cache.binding)
-        cache.length = attention_mask.shape[1]
-        return cache.logits.copy()  # a copy: the next step writes the same buffer
+        return run_in_place(self.session, cache, cache, self.past_names, self.present_names,
+                            (input_ids, attention_mask, position_ids), self.logits_last, self.vocab_size,
+                            self.logits_dtype)
 
     def _gather(self, value: Any, rows: Sequence[int], keep: int, capacity: int) -> Any:
         return self._moved(self.gather, {"cache": value}, {"rows": rows, "keep": [keep], "capacity": [capacity]})
