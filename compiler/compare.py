@@ -103,8 +103,8 @@ def eager_side(checkpoint: Any, label: str, device: str = "auto", dtype: str = "
 def _artifact_side(text: str, threads: int | None, verify: bool, device: str | None = None) -> Side:
     folder, name = _split_variant(text)
     artifact = Artifact.open(folder, verify=verify)
-    entry = _variant_entry(artifact, name)  # any variant with a graph, a failed one too: not select_variant
     providers = providers_for(device)
+    entry = _variant_entry(artifact, name, providers)  # any variant with a graph, a failed one too
     refused = device_refusal(entry, device_of(providers))
     if refused:
         raise IncompatibleArtifact(refused)
@@ -126,7 +126,7 @@ def _split_variant(text: str) -> tuple[Path, str | None]:
     return Path(folder), name or None
 
 
-def _variant_entry(artifact: Artifact, name: str | None) -> Variant:
+def _variant_entry(artifact: Artifact, name: str | None, providers: list[Any] | None = None) -> Variant:
     """Any variant whose graph is in the artifact, when named: a failed one (--keep-failed), or a
     tensorrt one whose engine was skipped, whose graph runs here under ONNX Runtime."""
     variants = artifact.manifest.variants
@@ -136,7 +136,7 @@ def _variant_entry(artifact: Artifact, name: str | None) -> Variant:
         raise IncompatibleArtifact(f"{artifact.folder}: variant {name!r} has no ONNX graph to run here")
     if name is not None:
         raise IncompatibleArtifact(f"{artifact.folder}: no variant {name!r}; variants: {', '.join(variants)}")
-    return runnable_variant(artifact)
+    return runnable_variant(artifact, providers=providers)
 
 
 # -- inputs and gates -----------------------------------------------------------------------------

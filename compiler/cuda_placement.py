@@ -109,7 +109,8 @@ def measure(model_path: Path, interface: dict[str, Any], providers: list[Any], w
             decode_steps: int = 3) -> Placement:
     """Which provider ran each node of the graph, from ONNX Runtime's profile of a prefill of 8 tokens and
     `decode_steps` decode steps at batch 2. Nodes the prediction calls shape arithmetic, and ONNX Runtime's
-    own copies between devices, are not counted as compute on the CPU."""
+    own copies between devices, are not counted as compute on the CPU. The KV buffers are the CPU backend's
+    (host memory): their crossings are feeds and fetches, not copy nodes, and are not counted."""
     import numpy as np
 
     from runtime.backends.onnxruntime import OnnxRuntimeBackend
@@ -129,18 +130,18 @@ def measure(model_path: Path, interface: dict[str, Any], providers: list[Any], w
     events = json.loads(Path(backend.session.end_profiling()).read_text())
     backend.close()
     ran: dict[str, tuple[str, set[str]]] = {}
-    copies = 0
     for event in events:
         args = event.get("args") or {}
         if event.get("cat") != "Node" or "provider" not in args:
             continue
         name = event["name"].removesuffix("_kernel_time")
         ran.setdefault(name, (args.get("op_name", "?"), set()))[1].add(args["provider"])
-        copies += args.get("op_name") == "MemcpyToHost"
+    # Every run executes each copy node ONNX Runtime inserted once: their number is the copies a step makes.
+    copies = sum(op == "MemcpyToHost" for op, _ in ran.values())
     on_cpu = [{"node": name, "op": op, "providers": sorted(where)} for name, (op, where) in sorted(ran.items())
               if "CPUExecutionProvider" in where and name not in predicted.shape_nodes and not op.startswith("Memcpy")]
     measured = {"providers": [p if isinstance(p, str) else p[0] for p in providers], "nodes_run": len(ran),
-                "copies_to_host": copies // (decode_steps + 1), "decode_steps": decode_steps}
+                "copies_to_host": copies, "decode_steps": decode_steps}
     return Placement(on_cpu, predicted.compute_nodes, predicted.shape_arithmetic, measured)
 
 

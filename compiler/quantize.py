@@ -131,7 +131,8 @@ def _int4_then_fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibrat
                                                         folder / ".int4")
     quantized = load_structure(folder / ".int4" / MODEL_FILE)
     load_weights(quantized, folder / ".int4")
-    half, _, _ = _fp16(quantized, dataclasses.replace(source, interface=interface), variant, calibration, [], folder)
+    half, _, _ = _fp16(quantized, dataclasses.replace(source, interface=interface), variant, calibration, excluded,
+                       folder)  # the modules int4 kept in fp32 stay fp32 (the report's kept_fp32)
     del quantized
     shutil.rmtree(folder / ".int4")
     return half, on_grid, notes

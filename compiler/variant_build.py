@@ -467,7 +467,7 @@ def auto_exclude(build: VariantBuild) -> tuple[Variant, dict[str, Any]]:
     def attempt(kept: Sequence[dict[str, Any]]) -> bool:
         candidate = with_exclude(variant, [m for r in kept for m in r["modules"]])
         built, _ = quantize(graph, candidate, calibration, work / "search" / "quantized")
-        if variant.target == Target.ONNXRUNTIME and variant.fuse:
+        if build.fused_for_onnxruntime:
             built, _ = pack(built, work / "search" / "packed")
         backend = OnnxRuntimeBackend(built.model_path, built.interface)
         metrics = measure(backend, data.inputs, build.reference, into=work / "search" / "logits")["summary"]

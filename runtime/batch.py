@@ -571,13 +571,16 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
     except OSError as exc:
         raise KilnError(f"cannot read INPUT {config.input}: {exc.strerror or exc}") from None
     answerer = None if config.ray else _load_answerer(config, scan.format)
+    gpus = 0
     if config.ray:
         _import_ray()
+        from .backends.registry import memory_on_host
         from .model import select_variant
 
         # one variant for every worker, named here: each worker's own default could differ with its host
-        config = replace(config, variant=select_variant(config.artifact, config.variant, providers_for(config.device),
-                                                        verify=False).name)
+        selection = select_variant(config.artifact, config.variant, providers_for(config.device), verify=False)
+        config = replace(config, variant=selection.name)
+        gpus = 0 if memory_on_host(selection.entry, providers_for(config.device)) else 1
         undecodable = next((line for line, error in scan.unreadable if error.code == "invalid_encoding"), None)
         if undecodable is not None:  # Ray Data's read_text fails on the whole file for one such line
             raise KilnError(f"INPUT line {undecodable} is not UTF-8, and Ray Data cannot read such a file; fix "
@@ -599,7 +602,7 @@ def run_job(config: BatchConfig, progress_stream: TextIO = sys.stderr, progress_
     try:
         for line, error in scan.unreadable:
             _record(errors, summary, failed_answer(scan.format, line, None, error), scan)
-        answers = (_ray_answers(config, scan, done) if answerer is None else
+        answers = (_ray_answers(config, scan, done, gpus) if answerer is None else
                    _local_answers(answerer, config, scan, done))
         for answer in answers:
             _record(output if answer.ok else errors, summary, answer, scan)
@@ -706,7 +709,10 @@ def _import_ray() -> Any:
     return ray
 
 
-def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[Answer]:
+def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any], gpus: int = 0) -> Iterator[Answer]:
+    """The rows answered by `config.workers` Ray actors; each takes a GPU of its own where the variant runs
+    on one (`gpus`): Ray hides every GPU from an actor that asks for none, and shows the one it assigns
+    as device 0."""
     ray = _import_ray()
     started_here = not ray.is_initialized()
     if started_here:
@@ -724,7 +730,8 @@ def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[An
         # Ray's CPU count is bookkeeping (ORT's threads do the work), but a reservation that takes
         # every CPU starves Ray Data's read tasks and the job hangs: leave one CPU to them.
         cpus = min(float(threads), max(0.1, (ray.cluster_resources().get("CPU", 1) - 1) / workers))
-        worker_config = replace(config, artifact=config.artifact.resolve(), threads=threads)
+        worker_config = replace(config, artifact=config.artifact.resolve(), threads=threads,
+                                device="cuda:0" if gpus else config.device)
         dataset = ray.data.read_text(str(config.input.resolve()), drop_empty_lines=True, num_cpus=0.25)
         # Batches small enough that every worker gets several (one batch of the whole file would
         # keep all but one worker idle), and no bigger than a chunk.
@@ -732,7 +739,7 @@ def _ray_answers(config: BatchConfig, scan: Scan, done: set[Any]) -> Iterator[An
         batch_rows = max(1, min(config.chunk_rows, -(-todo // (workers * 4))))
         answered = dataset.map_batches(
             RayWorker, batch_size=batch_rows, compute=ray.data.ActorPoolStrategy(size=workers), num_cpus=cpus,
-            fn_constructor_kwargs={"config": worker_config, "fmt": scan.format, "done": done})
+            num_gpus=gpus, fn_constructor_kwargs={"config": worker_config, "fmt": scan.format, "done": done})
         seen = set()
         for row in answered.iter_rows():
             item = json.loads(row["answer"])

@@ -399,13 +399,15 @@ def export_for(tool: str, spec: str, out: Path, copy: bool) -> None:
     (config.json or genai_config.json, the tokenizer), written from the manifest. For artifacts whose
     variant folders lack them; newer artifacts' variant folders open directly."""
     from .artifact import Artifact
+    from .backends.registry import opens_in_other_tools
     from .interop import export_folder
 
     folder, name = _artifact_variant(spec)
     try:
         artifact = Artifact.open(folder)  # verified: what is handed on is what was compiled
         if name is None:  # the first built variant whose model.onnx, which the tool runs, passed its gates
-            name = next((n for n, e in artifact.manifest.built().items() if not e.model_failed_gates), None)
+            name = next((n for n, e in artifact.manifest.built().items()
+                         if not e.model_failed_gates and opens_in_other_tools(e)), None)
         variant = artifact.variant(name).name
         written = export_folder(artifact, variant, tool, out, link=not copy)
     except Exception as exc:

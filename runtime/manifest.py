@@ -38,6 +38,7 @@ KERNELS_ONLY_SCHEMA_VERSION = 2
 READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, KERNELS_ONLY_SCHEMA_VERSION)
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
 STATUSES = ("built", "failed", "skipped")
+LIST_KEYS = ("files", "sidecars", "failed_gates", "model_failed_gates", "kv_row_graphs", "providers")
 # What the backends, memory planning and interop read of an interface.
 INTERFACE_KEYS = {"inputs": list, "outputs": list, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int}
 
@@ -199,21 +200,29 @@ def _problem(manifest: dict[str, Any]) -> str | None:
 def _variant_problem(entry: dict[str, Any], files: dict[str, Any]) -> str | None:
     if entry.get("status") not in STATUSES:
         return f"has status {entry.get('status')!r}, not one of {', '.join(STATUSES)}"
+    for key in LIST_KEYS:
+        value = entry.get(key)
+        if value is not None and not (isinstance(value, list) and all(isinstance(v, str) for v in value)):
+            return f"has {key} that is not a list of strings"
+    for key in ("files", "sidecars", "kv_row_graphs"):  # what export-for links and the CUDA backend loads
+        unlisted = next((path for path in entry.get(key) or () if path not in files), None)
+        if unlisted is not None:
+            return f"points at {unlisted!r} ({key}), which the manifest does not list"
+    for key, kind in (("quantize", dict), ("memory", dict), ("target", str), ("reason", str)):
+        if entry.get(key) is not None and not isinstance(entry[key], kind):
+            return f"has a {key} that is not a {kind.__name__}"
+    if isinstance(entry.get("memory"), dict) and not all(isinstance(v, int | float) for v in entry["memory"].values()):
+        return "has memory figures that are not numbers"
     engine = entry.get("engine")
     if engine is not None and not (isinstance(engine, dict) and isinstance(engine.get("file"), str)):
         return "has an engine entry without a file"
-    providers = entry.get("providers")
-    if providers is not None and not (isinstance(providers, list) and providers
-                                      and all(isinstance(p, str) for p in providers)):
-        return "has providers that are not a list of ONNX Runtime provider names"
+    if entry.get("providers") == []:
+        return "has an empty list of providers"
     engine = engine or {}
     for key, path in (("model", entry.get("model")), ("kernel_model", entry.get("kernel_model")),
                       ("genai_model", entry.get("genai_model")), ("engine", engine.get("file"))):
         if path is not None and (not isinstance(path, str) or path not in files):
             return f"points at {path!r} ({key}), which the manifest does not list"
-    for path in entry.get("kv_row_graphs") or ():
-        if path not in files:
-            return f"points at {path!r} (kv_row_graphs), which the manifest does not list"
     profiles = engine.get("profiles_file")
     if profiles is not None:
         folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)

@@ -585,7 +585,7 @@ def admission_budget(manifest: Manifest, entry: Variant, config: ServeConfig) ->
     refuses (IncompatibleArtifact) a host that cannot hold even one sequence at the max context."""
     from .memory import free_host_memory, require_fit, tokens_in_flight
 
-    one = require_fit(manifest, entry, 1, prefill_tokens=config.max_prefill_tokens)
+    one = require_fit(manifest, entry, 1, providers_for(config.device), prefill_tokens=config.max_prefill_tokens)
     if one is None:  # an engine's memory is the GPU's: bounded by its profiles instead
         return None
     return tokens_in_flight(one, free_host_memory() + one.baseline_bytes)

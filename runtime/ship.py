@@ -44,6 +44,7 @@ MAX_MANIFEST_BYTES = 64 << 20
 MAX_EXPANSION = 8
 EXPANSION_ALLOWANCE = 64 << 20
 _CHUNK = 1 << 20
+STAGING_PREFIX = ".staging-"  # an install's unpacked archive, until it is placed under versions/
 
 
 class ArchiveError(KilnError):
@@ -169,7 +170,7 @@ def _read_manifest(archive: Path, tar: tarfile.TarFile, member: tarfile.TarInfo)
     raw = tar.extractfile(member).read()
     try:
         manifest = Manifest.parse(json.loads(raw.decode("utf-8", errors="strict")), str(archive))
-    except ValueError as exc:
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:  # JSON, and anything the checks missed
         raise ArchiveError(f"{archive}: {MANIFEST} is not a Kiln manifest ({exc})") from None
     except ManifestError as exc:
         raise ArchiveError(f"{exc}; refused") from None
@@ -282,7 +283,8 @@ def _install_locked(archive: Path, into: Path, public_key: Path | None, require_
             raise ArtifactError(f"{into}: {name} exists and is not a link Kiln made; move it away first")
     if os.path.islink(into / "versions"):
         raise ArtifactError(f"{into}: versions is a link; Kiln keeps its versions in a real folder")
-    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=into))
+    _remove_leftovers(into)
+    staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=into))
     try:
         manifest = unpack(archive, staging / "artifact", public_key, require_signature)
         check_integrity(staging / "artifact", public_key, require_signature, rehash=False)
@@ -294,11 +296,21 @@ def _install_locked(archive: Path, into: Path, public_key: Path | None, require_
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     current = _link_target(into / "current")
-    if current != version:
-        _switch(into, "current", version)
+    if current != version:  # previous first: killed between the two, current still works and keeps its place
         if current is not None:
             _switch(into, "previous", current)
+        _switch(into, "current", version)
     return version
+
+
+def _remove_leftovers(into: Path) -> None:
+    """What installs killed midway left (under the lock, no other install is running): their staging
+    folders and the links they had not yet renamed into place. Their placed versions stay."""
+    for path in into.iterdir():
+        if path.name.startswith(STAGING_PREFIX) and path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path, ignore_errors=True)
+        elif path.name.startswith((".current.", ".previous.")) and path.is_symlink():
+            path.unlink(missing_ok=True)
 
 
 def _place(staging: Path, version: Path) -> None:

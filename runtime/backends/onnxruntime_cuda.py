@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
 from ..manifest import Manifest, Variant
 from .base import ClosesOnExit, HostFit, Limits, expand, provider_names
@@ -49,10 +50,15 @@ def open_variant(folder: Path, entry: Variant, providers: list[Any] | None = Non
     if len(entry.kv_row_graphs) != 2:
         raise IncompatibleArtifact(f"variant {entry.name!r} has no graphs to move its cache's rows on the GPU "
                                    "(kv_row_graphs); recompile it")
-    cuda = next(p for p in providers if provider_names([p]) == ["CUDAExecutionProvider"])
-    device_id = int(cuda[1].get("device_id", 0)) if not isinstance(cuda, str) else 0
     gather, scatter = (folder / path for path in entry.kv_row_graphs)
-    return OnnxRuntimeCudaBackend(folder / entry.model, entry.interface, gather, scatter, providers, "cuda", device_id)
+    return OnnxRuntimeCudaBackend(folder / entry.model, entry.interface, gather, scatter, providers, "cuda",
+                                  _device_id(providers))
+
+
+def _device_id(providers: list[Any]) -> int:
+    """The GPU the providers ask ONNX Runtime's CUDA provider for (device_id in its options; else 0)."""
+    cuda = next((p for p in providers if provider_names([p]) == ["CUDAExecutionProvider"]), "CUDAExecutionProvider")
+    return int(cuda[1].get("device_id", 0)) if not isinstance(cuda, str) else 0
 
 
 def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
@@ -61,6 +67,9 @@ def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     if providers is not None and "CUDAExecutionProvider" not in provider_names(providers):
         return None  # the CPU provider alone: the graph as compile-model validated it
     why = cuda_missing()
+    asked = _device_id(providers or CUDA_PROVIDERS)
+    if why is None and asked >= (visible_gpus() or 0):
+        why = f"GPU {asked} was asked for and this host shows {visible_gpus()} (cuda:0 is the first)"
     if why is None:
         return None
     return (f"variant {entry.name!r} is built for ONNX Runtime's CUDA provider, and {why}; run it on a host with "
@@ -92,7 +101,13 @@ def cuda_missing() -> str | None:
         providers = ", ".join(p.removesuffix("ExecutionProvider") for p in onnxruntime.get_available_providers())
         return (f"this onnxruntime has no CUDA provider (it has {providers}: the onnxruntime package, not "
                 "onnxruntime-gpu)")
-    count = visible_gpus()
+    if version_tuple(onnxruntime.__version__) < version_tuple(MIN_ONNXRUNTIME_GPU):
+        return (f"this onnxruntime-gpu, {onnxruntime.__version__}, is older than the {MIN_ONNXRUNTIME_GPU} whose "
+                "kernels the graph was checked against")
+    try:
+        count = visible_gpus()
+    except IncompatibleArtifact as exc:
+        return str(exc)
     if count is None:
         return "no NVIDIA driver is installed (libcuda.so.1 does not load)"
     if count == 0:
@@ -108,7 +123,11 @@ def visible_gpus() -> int | None:
     except OSError:
         return None
     count = ctypes.c_int(0)
-    if driver.cuInit(0) != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
+    status = driver.cuInit(0)
+    if status not in (0, 100):  # 100: CUDA_ERROR_NO_DEVICE
+        raise IncompatibleArtifact(f"the NVIDIA driver does not start (cuInit error {status}: a driver and "
+                                   "CUDA version mismatch, or a GPU in a bad state; nvidia-smi shows which)")
+    if status != 0 or driver.cuDeviceGetCount(ctypes.byref(count)) != 0:
         return 0
     return count.value
 

@@ -94,6 +94,12 @@ def test_a_schema_this_runtime_does_not_read_is_incompatible():
     (lambda m: m["variants"]["cpu-fp32"].pop("interface"), "variant 'cpu-fp32' is built but has no interface"),
     (lambda m: m["variants"]["cpu-fp32"]["interface"].pop("kv_heads"), "has an interface without a valid 'kv_heads'"),
     (lambda m: m["variants"]["cpu-fp32"].pop("model"), "is built but names no file to run (model or engine)"),
+    (lambda m: m["variants"]["cpu-fp32"].update(kv_row_graphs=5), "has kv_row_graphs that is not a list of strings"),
+    (lambda m: m["variants"]["cpu-fp32"].update(files=["/etc/passwd"]),
+     "points at '/etc/passwd' (files), which the manifest does not list"),  # export-for would link it
+    (lambda m: m["variants"]["cpu-fp32"].update(sidecars=[["x"]]), "has sidecars that is not a list of strings"),
+    (lambda m: m["variants"]["cpu-fp32"].update(memory={"weights_bytes": "many"}), "memory figures that are not"),
+    (lambda m: m["variants"]["cpu-fp32"].update(quantize="int4"), "has a quantize that is not a dict"),
 ])
 def test_an_unsafe_or_incomplete_manifest_is_refused_in_one_line(change, says):
     manifest = document()

@@ -404,3 +404,71 @@ def test_external_data_without_length_is_refused(tiny_artifacts, tmp_path):
     bad = _with_external_data(tiny_artifacts["llama"], tmp_path, drop_length)
     result = cli("verify", bad)
     assert result.exit_code == 1 and "plain numeric offset and length" in result.stderr
+
+
+# -- installs killed midway, and two at once ------------------------------------------------------
+
+def _install_process(archive: Path, into: Path):
+    import subprocess
+    import sys
+
+    return subprocess.Popen([sys.executable, "-m", "runtime.kiln_cli", "install", str(archive), "--into", str(into)],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _serves(into: Path, names: set[str]) -> str:
+    """The name of the artifact `current` points at, checked to load and verify whole."""
+    opened = Artifact.open(into / "current")
+    assert opened.manifest.name in names
+    return opened.manifest.name
+
+
+def test_an_install_killed_at_any_point_leaves_a_working_current(packed, tiny_artifacts, tmp_path):
+    """SIGKILL while the archive unpacks into its staging folder, while it is verified, and at delays
+    spread over the whole run: `current` always opens and verifies (the old version or the new), and
+    the next install cleans what the killed one left and completes."""
+    import signal
+    import time
+
+    other = tmp_path / "qwen2.kiln"
+    pack(tiny_artifacts["qwen2"], other)
+    srv = tmp_path / "srv"
+    install(packed, srv)
+    names = {"tiny-llama", "tiny-qwen2"}
+    started = time.perf_counter()
+    whole = _install_process(other, tmp_path / "timing")
+    assert whole.wait(timeout=120) == 0, whole.stderr.read()
+    duration = time.perf_counter() - started
+    killed_at = []
+    points = ["staging"] + [duration * f for f in (0.3, 0.5, 0.7, 0.8, 0.9, 0.95, 1.0)]
+    for point in points:
+        archive = other if len(killed_at) % 2 == 0 else packed  # each run switches versions, when it gets there
+        process, began = _install_process(archive, srv), time.perf_counter()
+        while process.poll() is None:
+            staged = any(p.name.startswith(".staging-") for p in srv.iterdir())
+            if (point == "staging" and staged) or (point != "staging" and time.perf_counter() - began >= point):
+                process.send_signal(signal.SIGKILL)
+                break
+            time.sleep(0.002)
+        code = process.wait(timeout=120)
+        killed_at.append(code)
+        _serves(srv, names)
+        assert (srv / "current").is_symlink()
+    assert -signal.SIGKILL in killed_at  # some runs were killed midway (the rest finished before their point)
+    assert install(other, srv).name.startswith("tiny-qwen2")
+    assert not [p.name for p in srv.iterdir() if p.name.startswith((".staging-", ".current.", ".previous."))]
+    assert _serves(srv, names) == "tiny-qwen2"
+
+
+def test_two_installs_at_once_are_serialized(packed, tiny_artifacts, tmp_path):
+    other = tmp_path / "qwen2.kiln"
+    pack(tiny_artifacts["qwen2"], other)
+    srv = tmp_path / "srv"
+    first, second = _install_process(packed, srv), _install_process(other, srv)
+    assert first.wait(timeout=120) == 0, first.stderr.read()
+    assert second.wait(timeout=120) == 0, second.stderr.read()
+    current, previous = (srv / "current").resolve(), (srv / "previous").resolve()
+    assert {current.name.split("-")[1], previous.name.split("-")[1]} == {"llama", "qwen2"}
+    assert Artifact.open(current) and Artifact.open(previous)
+    assert len(list((srv / "versions").iterdir())) == 2
+    assert not [p.name for p in srv.iterdir() if p.name.startswith(".staging-")]
