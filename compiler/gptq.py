@@ -63,6 +63,7 @@ def activations(proto: Any, names: set[str], interface: dict[str, Any], sequence
     import onnxruntime as ort
 
     from runtime.backends.base import expand
+    from runtime.manifest import Interface
 
     if isinstance(proto, Path):
         graph = load_structure(proto)
@@ -82,15 +83,16 @@ def activations(proto: Any, names: set[str], interface: dict[str, Any], sequence
     options.log_severity_level = 3
     session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
     ordered = sorted(names)
-    past = expand(interface["inputs"][3:], interface["layers"])
-    shared = interface.get("kv_sharing") == "shared-buffer"
-    kv_dtype = np.dtype(interface["inputs"][3]["dtype"])  # float16 in an fp16 graph
+    interface = Interface.of(interface)
+    past = expand(interface.past, interface.layers)
+    shared = interface.shared_buffers
+    kv_dtype = np.dtype(interface.kv_dtype)  # float16 in an fp16 graph
     try:
         for ids in sequences:
             n = len(ids)
             feed = {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, n), np.int64),
                     "position_ids": np.arange(n, dtype=np.int64)[None]}
-            feed.update({name: np.zeros((1, interface["kv_heads"], n if shared else 0, interface["head_dim"]),
+            feed.update({name: np.zeros((1, interface.kv_heads, n if shared else 0, interface.head_dim),
                                         kv_dtype) for name in past})
             yield dict(zip(ordered, session.run(ordered, feed), strict=True))
     finally:

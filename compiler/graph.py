@@ -43,6 +43,12 @@ class OnnxArtifact:
         return self.folder / MODEL_FILE
 
 
+def retyped_kv(interface: dict[str, Any], dtype: str) -> dict[str, Any]:
+    """A graph's interface (as the manifest writes it) with its past and present KV tensors of `dtype`."""
+    retyped = lambda entries: [{**e, "dtype": dtype} if "{layer}" in e["name"] else e for e in entries]  # noqa: E731
+    return {**interface, "inputs": retyped(interface["inputs"]), "outputs": retyped(interface["outputs"])}
+
+
 def load_structure(path: Path) -> Any:
     """The graph's ModelProto without its external weights: nodes and initializers' references only, so
     rewriting nodes moves no weight."""

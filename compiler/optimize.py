@@ -38,6 +38,7 @@ from .graph import (
     initializer_array,
     load_ir,
     load_structure,
+    retyped_kv,
     save_model,
     save_structure,
     saved_graph,
@@ -326,7 +327,6 @@ def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: lis
     """The variant's interface, with what the kernels' graph changes: bf16 activations, prompts of
     different lengths prefilled in one step where every attention is Kiln's, an fp16 KV cache."""
     from runtime import cpu_kernels
-    from runtime.backends.base import with_kv_dtype
 
     if activations == "bf16" and any(made.bits == 4 for _, made in eligible):
         interface = {**interface, "activations": cpu_kernels.BF16_ACTIVATIONS}
@@ -336,7 +336,7 @@ def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: lis
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
         interface = {**interface, "prefill": "batched"}
         if kv_cache == "float16" and _half_cache(proto, attentions):
-            interface = with_kv_dtype(interface, "float16")
+            interface = retyped_kv(interface, "float16")
     return interface
 
 

@@ -52,9 +52,19 @@ from typing import Any
 import numpy as np
 
 from runtime.backends.registry import Target
+from runtime.manifest import Interface
 
 from .errors import ExportError
-from .graph import MODEL_FILE, OnnxArtifact, load_structure, load_weights, save_proto, save_structure, saved_graph
+from .graph import (
+    MODEL_FILE,
+    OnnxArtifact,
+    load_structure,
+    load_weights,
+    retyped_kv,
+    save_proto,
+    save_structure,
+    saved_graph,
+)
 from .recipe import Variant
 from .smoothing import smooth
 from .weights import lm_head, logits_writer, weight_matmuls
@@ -317,10 +327,7 @@ def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, 
     model = ir.from_proto(converted)
     TopologicalSortPass()(model)  # the converter appends its Casts after their consumers
     save_proto(ir.to_proto(model), folder)
-    half = lambda entries: [{**e, "dtype": "float16"} if "{layer}" in e["name"] else e  # noqa: E731
-                            for e in entries]
-    return {**source.interface, "inputs": half(source.interface["inputs"]),
-            "outputs": half(source.interface["outputs"])}, [], {}
+    return retyped_kv(source.interface, "float16"), [], {}
 
 
 def _on_int8_grid(proto: Any, block_size: int, excluded: list[str]) -> list[str]:
@@ -615,10 +622,10 @@ class _CalibrationFeed:
         prompts = [stream[i:i + CALIBRATION_CHUNK] for i in range(0, len(stream) - CALIBRATION_CHUNK + 1,
                                                                    CALIBRATION_CHUNK)]
 
-        interface = source.interface
-        shared = interface.get("kv_sharing") == "shared-buffer"
-        names = expand(interface["inputs"][3:], interface["layers"])
-        kv = (interface["kv_heads"], interface["head_dim"])
+        interface = Interface.of(source.interface)
+        shared = interface.shared_buffers
+        names = expand(interface.past, interface.layers)
+        kv = (interface.kv_heads, interface.head_dim)
         self._feeds = iter([
             {"input_ids": np.array([ids], np.int64), "attention_mask": np.ones((1, len(ids)), np.int64),
              "position_ids": np.arange(len(ids), dtype=np.int64)[None],

@@ -27,6 +27,7 @@ from typing import Any
 
 from runtime.backends.base import expand
 from runtime.errors import KilnError
+from runtime.manifest import Interface
 
 from .recipe import EngineSpec, Profiles
 
@@ -70,7 +71,8 @@ def _shapes(interface: dict[str, Any], batch: list[int], seq: list[int], past: l
         "attention_mask": [[b, p + s] for b, p, s in zip(batch, past, seq, strict=True)],
         "position_ids": [[b, s] for b, s in zip(batch, seq, strict=True)],
     }
-    for name in expand(interface["inputs"][3:], interface["layers"]):
+    typed = Interface.of(interface)
+    for name in expand(typed.past, typed.layers):
         shapes[name] = [[b, kv_heads, p, head_dim] for b, p in zip(batch, past, strict=True)]
     return shapes
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +20,7 @@ from .backends.base import expand, kv_order
 from .backends.registry import opens_in_other_tools
 from .errors import ArtifactError
 from .files import link_or_copy
-from .manifest import Variant
+from .manifest import Interface, TensorSpec, Variant
 
 if TYPE_CHECKING:
     from .artifact import Artifact
@@ -57,7 +57,7 @@ def portable_tokenizer_config(config: dict[str, Any]) -> dict[str, Any]:
 def optimum_problem(manifest: Mapping[str, Any], variant: str) -> str | None:
     """Why Optimum 2.1 cannot run the variant (it would feed a first-step cache of the wrong shape), or None
     (also where the manifest has no config to tell from)."""
-    config, interface = manifest["model"].get("config"), manifest["variants"][variant]["interface"]
+    config, interface = manifest["model"].get("config"), Interface.of(manifest["variants"][variant]["interface"])
     if not config:
         return None
     model_type = manifest["model"]["model_type"]
@@ -71,10 +71,10 @@ def optimum_problem(manifest: Mapping[str, Any], variant: str) -> str | None:
         kv_heads = heads
     head_dim = config.get("head_dim") if model_type in _OPTIMUM_HEAD_DIM_TYPES else \
         manifest["model"]["hidden_size"] // heads
-    if (kv_heads, head_dim) == (interface["kv_heads"], interface["head_dim"]):
+    if (kv_heads, head_dim) == (interface.kv_heads, interface.head_dim):
         return None
     return (f"Optimum 2.1 sizes a {model_type} model's KV cache as {kv_heads} heads x {head_dim} from its config, "
-            f"this graph's is {interface['kv_heads']} x {interface['head_dim']}: Optimum cannot run it (a limit of "
+            f"this graph's is {interface.kv_heads} x {interface.head_dim}: Optimum cannot run it (a limit of "
             "Optimum's ORTModelForCausalLM; onnxruntime-genai and Kiln run it)")
 
 
@@ -108,7 +108,7 @@ def genai_config(manifest: Mapping[str, Any], variant: str, generation: dict[str
     writes one KV buffer of the full context (past_present_share_buffer); the plain graph returns
     present = past + the new tokens."""
     model, entry = manifest["model"], manifest["variants"][variant]
-    interface = entry["interface"]
+    interface = Interface.of(entry["interface"])
     eos = model["eos_token_ids"] or [model["pad_token_id"]]
     pad = model["pad_token_id"] if model["pad_token_id"] is not None else eos[0]
     bos = model["bos_token_id"] if model["bos_token_id"] is not None else eos[0]
@@ -128,7 +128,7 @@ def genai_config(manifest: Mapping[str, Any], variant: str, generation: dict[str
         "early_stopping": True,
         "no_repeat_ngram_size": 0,
         "diversity_penalty": 0.0,
-        "past_present_share_buffer": interface.get("kv_sharing", "none") == "shared-buffer",
+        "past_present_share_buffer": interface.shared_buffers,
     }
     return {
         "model": {
@@ -136,29 +136,29 @@ def genai_config(manifest: Mapping[str, Any], variant: str, generation: dict[str
             "bos_token_id": bos,
             "eos_token_id": eos if len(eos) > 1 else eos[0],
             "pad_token_id": pad,
-            "vocab_size": interface["vocab_size"],
+            "vocab_size": interface.vocab_size,
             "context_length": model["max_context"],
             "decoder": {
                 "session_options": {"log_id": "onnxruntime-genai", "provider_options": []},
                 # A graph that rotates inside GroupQueryAttention has its unfolded twin beside it for
                 # onnxruntime-genai, whose right-padded batches that rotation mis-positions.
                 "filename": PurePosixPath(entry.get("genai_model", entry["model"])).name,
-                "head_size": interface["head_dim"],
+                "head_size": interface.head_dim,
                 "hidden_size": model["hidden_size"],
                 "num_attention_heads": model["attention_heads"],
-                "num_key_value_heads": interface["kv_heads"],
-                "num_hidden_layers": interface["layers"],
+                "num_key_value_heads": interface.kv_heads,
+                "num_hidden_layers": interface.layers,
                 "inputs": {
                     "input_ids": "input_ids",
                     "attention_mask": "attention_mask",
                     "position_ids": "position_ids",
-                    "past_key_names": _template(interface["inputs"], ".key"),
-                    "past_value_names": _template(interface["inputs"], ".value"),
+                    "past_key_names": _template(interface.past, ".key"),
+                    "past_value_names": _template(interface.past, ".value"),
                 },
                 "outputs": {
                     "logits": "logits",
-                    "present_key_names": _template(interface["outputs"], ".key"),
-                    "present_value_names": _template(interface["outputs"], ".value"),
+                    "present_key_names": _template(interface.present, ".key"),
+                    "present_value_names": _template(interface.present, ".value"),
                 },
             },
         },
@@ -166,7 +166,7 @@ def genai_config(manifest: Mapping[str, Any], variant: str, generation: dict[str
     }
 
 
-def input_shapes(interface: dict[str, Any], sizes: dict[str, int]) -> list[tuple[str, list[int]]]:
+def input_shapes(interface: Interface, sizes: dict[str, int]) -> list[tuple[str, list[int]]]:
     """Every graph input with its concrete shape, for sizes of `batch`, `seq` and `past` (and `capacity`,
     the KV buffers' slots in a shared-buffer graph: past + seq unless given)."""
     unknown = sorted(set(sizes) - set(SYMBOLS))
@@ -178,13 +178,13 @@ def input_shapes(interface: dict[str, Any], sizes: dict[str, int]) -> list[tuple
     values = {"capacity": sizes["past"] + sizes["seq"], **sizes}
     if values["capacity"] < sizes["past"] + sizes["seq"]:
         raise ValueError(f"capacity {values['capacity']} is under past + seq = {sizes['past'] + sizes['seq']}")
-    if (interface.get("kv_sharing") == "shared-buffer" and sizes["batch"] > 1 and sizes["seq"] > 1
+    if (interface.shared_buffers and sizes["batch"] > 1 and sizes["seq"] > 1
             and sizes["past"] > 0):
         raise ValueError("a GroupQueryAttention graph runs seq > 1 after past tokens only at batch 1 (ONNX "
                          "Runtime's limit): use batch=1, seq=1 or past=0")
-    layers, inputs = interface["layers"], interface["inputs"]
-    dims = {name: [_dim(d, values) for d in entry["shape"]] for entry in inputs for name in expand([entry], layers)}
-    if interface.get("leading_kv_slot"):  # the engine's masked slot at the front of the cache and the mask
+    layers, inputs = interface.layers, interface.inputs
+    dims = {name: [_dim(d, values) for d in spec.shape] for spec in inputs for name in expand([spec], layers)}
+    if interface.leading_kv_slot:  # the engine's masked slot at the front of the cache and the mask
         dims = {name: _with_slot(name, d) for name, d in dims.items()}
     # In the order the graph declares them, as the runtime binds them: key and value per layer.
     return [(name, dims[name]) for name in expand(inputs[:3], layers) + kv_order(expand(inputs[3:], layers))]
@@ -224,8 +224,8 @@ def _with_slot(name: str, dims: list[int]) -> list[int]:
     return dims
 
 
-def _template(entries: list[dict[str, Any]], suffix: str) -> str:
-    name = next(e["name"] for e in entries if "{layer}" in e["name"] and e["name"].endswith(suffix))
+def _template(specs: Sequence[TensorSpec], suffix: str) -> str:
+    name = next(s.name for s in specs if "{layer}" in s.name and s.name.endswith(suffix))
     return name.replace("{layer}", "%d")
 
 

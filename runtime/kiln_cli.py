@@ -364,14 +364,13 @@ def _describe_variant(artifact: Artifact, entry: Variant) -> str:
                         if kernels and entry.kernel_activations else ""))
     fused = ", ".join(f"{k} {v}" for k, v in (record.get("fusions") or {}).items() if v) or "none"
     lines.append(f"  fusions    {fused}")
-    lines.append(f"  kv cache   {interface['layers']} layers x {interface['kv_heads']} heads x {interface['head_dim']}"
-                 f", {interface.get('kv_sharing', 'none')}")
-    for label, key in (("inputs", "inputs"), ("outputs", "outputs")):
-        for i, io in enumerate(interface[key]):
-            shown = io["name"].replace("{layer}", f"0..{interface['layers'] - 1}") if "{layer}" in io["name"] \
-                else io["name"]
-            lines.append(f"  {label if i == 0 else '':<10} {shown} {io['dtype']} [{', '.join(map(str, io['shape']))}]")
-    count = len(expand(interface["inputs"], interface["layers"]))
+    lines.append(f"  kv cache   {interface.layers} layers x {interface.kv_heads} heads x {interface.head_dim}"
+                 f", {interface.kv_sharing}")
+    for label, specs in (("inputs", interface.inputs), ("outputs", interface.outputs)):
+        for i, spec in enumerate(specs):
+            shown = spec.name.replace("{layer}", f"0..{interface.layers - 1}")
+            lines.append(f"  {label if i == 0 else '':<10} {shown} {spec.dtype} [{', '.join(map(str, spec.shape))}]")
+    count = len(expand(interface.inputs, interface.layers))
     lines.append(f"  ({count} graph inputs; --polygraphy-shapes batch=1,seq=8,past=0 spells out their shapes)")
     if entry.sidecars:
         from .interop import optimum_problem

@@ -9,11 +9,11 @@ compiler/package.py before it writes one (a compile cannot write a manifest the 
       Variant        one entry of `variants`: its target, status, the files it runs (model, the
                      kernels' graph, a TensorRT engine), its interface and memory; `document` keeps
                      the build's record (accuracy, fusions, gates, reports)
+        Interface    the graph's inputs and outputs (TensorSpec: name, dtype, shape) and KV layout
       FileEntry      sha256 and size of each file the artifact holds
 
-The interface (the graph's input and output names, shapes and dtypes, KV layout) stays the JSON
-mapping the export writes: the compiler builds it step by step and hands it to fresh processes; this
-module checks that it has what the backends read.
+The compiler builds each interface as the JSON mapping it writes, step by step; what runs a graph
+takes it through Interface.of.
 
 Schema 1 and 2 both load. Version 2 marks an artifact with a variant for Kiln's CPU kernels alone
 (`cpu_kernels: required`): a runtime that reads version 1 alone does not know that key and would run
@@ -22,6 +22,7 @@ the variant's model.onnx, a graph that may have missed its gates, so it refuses 
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -54,6 +55,82 @@ class FileEntry:
 
 
 @dataclass(frozen=True)
+class TensorSpec:
+    name: str  # KV tensors' names are templates over "{layer}"
+    dtype: str  # numpy's name: float32, float16, int64
+    shape: tuple[int | str, ...]  # symbols: batch, seq, past, capacity, past + seq
+
+
+@dataclass(frozen=True)
+class Interface:
+    """A graph's inputs and outputs as the runtime binds them: input_ids, attention_mask, position_ids and
+    past KV; logits and present KV (docs/artifact.md, the graph interface)."""
+
+    inputs: tuple[TensorSpec, ...]
+    outputs: tuple[TensorSpec, ...]
+    layers: int
+    kv_heads: int
+    head_dim: int
+    vocab_size: int
+    logits: str = "all"  # "last": the logits of each row's last position only
+    kv_sharing: str = "none"  # "shared-buffer": past and present are one buffer, updated in place
+    row_lengths: str | None = None  # "mask": rows stored from slot 0, each row's length read from its mask
+    leading_kv_slot: bool = False  # a TensorRT engine's masked slot in front of every cache
+    prefill: str = "rows"  # "batched": first prompts of different lengths in one step (Kiln's kernels)
+    activations: str | None = None  # Kiln's 4-bit kernels' activations (bfloat16)
+
+    @classmethod
+    def of(cls, value: Interface | Mapping[str, Any]) -> Interface:
+        """The typed interface of one as the manifest (or a compile step) writes it."""
+        if isinstance(value, Interface):
+            return value
+        specs = lambda entries: tuple(TensorSpec(e.get("name", ""), e.get("dtype", "float32"),  # noqa: E731
+                                                 tuple(e.get("shape", ()))) for e in entries)
+        return cls(specs(value.get("inputs", ())), specs(value.get("outputs", ())), value["layers"], value["kv_heads"],
+                   value["head_dim"], value.get("vocab_size", 0), value.get("logits", "all"),
+                   value.get("kv_sharing", "none"), value.get("row_lengths"), bool(value.get("leading_kv_slot")),
+                   value.get("prefill") or "rows", value.get("activations"))
+
+    @property
+    def past(self) -> tuple[TensorSpec, ...]:
+        return self.inputs[3:]
+
+    @property
+    def present(self) -> tuple[TensorSpec, ...]:
+        return self.outputs[1:]
+
+    @property
+    def kv_dtype(self) -> str:
+        return self.past[0].dtype
+
+    @property
+    def logits_dtype(self) -> str:
+        return self.outputs[0].dtype
+
+    @property
+    def shared_buffers(self) -> bool:
+        return self.kv_sharing == "shared-buffer"
+
+    def with_kv_dtype(self, dtype: str) -> Interface:
+        """The interface with its past and present KV tensors of type `dtype`."""
+        retyped = lambda specs: tuple(dataclasses.replace(s, dtype=dtype) for s in specs)  # noqa: E731
+        return dataclasses.replace(self, inputs=self.inputs[:3] + retyped(self.past),
+                                   outputs=self.outputs[:1] + retyped(self.present))
+
+    def to_json(self) -> dict[str, Any]:
+        """As the manifest writes it (keys that are their defaults left out, as the compiler leaves them)."""
+        specs = lambda entries: [{"name": s.name, "dtype": s.dtype, "shape": list(s.shape)} for s in entries]  # noqa: E731
+        document = {"inputs": specs(self.inputs), "outputs": specs(self.outputs), "layers": self.layers,
+                    "logits": self.logits, "kv_sharing": self.kv_sharing, "kv_heads": self.kv_heads,
+                    "head_dim": self.head_dim, "vocab_size": self.vocab_size}
+        for key, default in (("row_lengths", None), ("leading_kv_slot", False), ("prefill", "rows"),
+                             ("activations", None)):
+            if getattr(self, key) != default:
+                document[key] = getattr(self, key)
+        return document
+
+
+@dataclass(frozen=True)
 class ModelFacts:
     """What the runtime needs to know about the model besides the graph interface."""
 
@@ -77,7 +154,7 @@ class Variant:
     reason: str | None
     precision: str | None
     quantize: Mapping[str, Any] | None
-    interface: Mapping[str, Any] | None
+    interface: Interface | None
     files: tuple[str, ...]
     model: str | None  # the ONNX graph (variants/<name>/model.onnx)
     genai_model: str | None  # the graph onnxruntime-genai opens, where model.onnx folds rotary into attention
@@ -228,18 +305,21 @@ def _variant_problem(entry: dict[str, Any], files: dict[str, Any]) -> str | None
         folder = PurePosixPath(engine.get("file", "")).parent / str(profiles)
         if folder.as_posix() not in files:
             return f"points at {folder.as_posix()!r}, which the manifest does not list"
-    if entry["status"] == "built":
-        interface = entry.get("interface")
+    interface = entry.get("interface")
+    if interface is None and entry["status"] == "built":
+        return "is built but has no interface"
+    if interface is not None:
         if not isinstance(interface, dict):
-            return "is built but has no interface"
+            return "has an interface that is not a mapping"
         wrong = next((key for key, kind in INTERFACE_KEYS.items() if not isinstance(interface.get(key), kind)), None)
         if wrong:
             return f"has an interface without a valid {wrong!r}"
-        if len(interface["inputs"]) < 4 or not all(isinstance(io, dict) and "name" in io and "dtype" in io
-                                                   for io in interface["inputs"] + interface["outputs"]):
+        if len(interface["inputs"]) < 4 or len(interface["outputs"]) < 2 or not all(
+                isinstance(io, dict) and isinstance(io.get("name"), str) and isinstance(io.get("dtype"), str)
+                and isinstance(io.get("shape", []), list) for io in interface["inputs"] + interface["outputs"]):
             return "has an interface whose inputs or outputs lack names and dtypes"
-        if entry.get("model") is None and entry.get("engine") is None:
-            return "is built but names no file to run (model or engine); recompile the artifact"
+    if entry["status"] == "built" and entry.get("model") is None and entry.get("engine") is None:
+        return "is built but names no file to run (model or engine); recompile the artifact"
     return None
 
 
@@ -250,7 +330,8 @@ def _tuple(value: Any) -> tuple[Any, ...]:
 def _variant(name: str, entry: dict[str, Any]) -> Variant:
     return Variant(
         name=name, target=entry.get("target", "?"), status=entry["status"], reason=entry.get("reason"),
-        precision=entry.get("precision"), quantize=entry.get("quantize"), interface=entry.get("interface"),
+        precision=entry.get("precision"), quantize=entry.get("quantize"),
+        interface=Interface.of(entry["interface"]) if isinstance(entry.get("interface"), dict) else None,
         files=_tuple(entry.get("files")), model=entry.get("model"), genai_model=entry.get("genai_model"),
         engine=entry.get("engine"), kernel_model=entry.get("kernel_model"),
         providers=tuple(entry["providers"]) if entry.get("providers") is not None else None,

@@ -32,7 +32,7 @@ from typing import Any
 import numpy as np
 
 from .errors import IncompatibleArtifact
-from .manifest import Manifest, Variant
+from .manifest import Interface, Manifest, TensorSpec, Variant
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -63,10 +63,9 @@ class Shapes:
     leading_slot: int
 
     @classmethod
-    def of(cls, interface: dict[str, Any]) -> Shapes:
-        return cls(interface["layers"], interface["kv_heads"], interface["head_dim"],
-                   np.dtype(interface["inputs"][3]["dtype"]).itemsize,
-                   interface.get("kv_sharing", "none") == "shared-buffer", int(bool(interface.get("leading_kv_slot"))))
+    def of(cls, interface: Interface) -> Shapes:
+        return cls(interface.layers, interface.kv_heads, interface.head_dim, np.dtype(interface.kv_dtype).itemsize,
+                   interface.shared_buffers, int(interface.leading_kv_slot))
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -92,7 +91,7 @@ class Plan:
         return asdict(self)
 
 
-def plan(interface: dict[str, Any], memory: dict[str, Any] | None, batch: int, context: int,
+def plan(interface: Interface, memory: dict[str, Any] | None, batch: int, context: int,
          prefill_tokens: int = 512, weights_file_bytes: int = 0) -> Plan:
     """The memory of `batch` sequences at `context` tokens each, prefill steps of `prefill_tokens`."""
     shapes = Shapes.of(interface)
@@ -109,14 +108,14 @@ def plan(interface: dict[str, Any], memory: dict[str, Any] | None, batch: int, c
                 base + 2 * batch * kv_sequence, memory is not None)
 
 
-def largest_batch(interface: dict[str, Any], memory: dict[str, Any] | None, budget: int, context: int,
+def largest_batch(interface: Interface, memory: dict[str, Any] | None, budget: int, context: int,
                   prefill_tokens: int = 512, weights_file_bytes: int = 0) -> int:
     """The most sequences at `context` whose bound fits `budget` (0: not even one)."""
     return _largest(lambda batch: plan(interface, memory, batch, context, prefill_tokens,
                                        weights_file_bytes).bound_bytes <= budget, 1 << 20)
 
 
-def largest_context(interface: dict[str, Any], memory: dict[str, Any] | None, budget: int, batch: int,
+def largest_context(interface: Interface, memory: dict[str, Any] | None, budget: int, batch: int,
                     max_context: int, prefill_tokens: int = 512, weights_file_bytes: int = 0) -> int:
     """The longest context (up to max_context) at which `batch` sequences fit `budget` (0: none)."""
     return _largest(lambda context: plan(interface, memory, batch, context, prefill_tokens,
@@ -175,7 +174,7 @@ def tokens_in_flight(planned: Plan, budget: int) -> int:
     return max(0, int((budget - fixed) // (2 * planned.kv_bytes_per_token)))
 
 
-def config_interface(config: dict[str, Any], dtype: str) -> tuple[dict[str, Any], int]:
+def config_interface(config: dict[str, Any], dtype: str) -> tuple[Interface, int]:
     """An interface and the weights' bytes from a transformers config.json alone, for `kiln plan --config`:
     the KV shapes as the export would write them (shared buffers, as the fused onnxruntime graph has)."""
     def first(*keys: str, default: Any = None) -> Any:
@@ -194,12 +193,13 @@ def config_interface(config: dict[str, Any], dtype: str) -> tuple[dict[str, Any]
     tied = config.get("tie_word_embeddings", config.get("model_type") == "gpt2")
     parameters = vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
     item = np.dtype({"fp32": "float32", "fp16": "float16", "bf16": "float16"}[dtype]).itemsize
-    interface = {"layers": layers, "kv_heads": kv_heads, "head_dim": head_dim, "kv_sharing": "shared-buffer",
-                 "inputs": [{}, {}, {}, {"dtype": "float32" if dtype == "fp32" else "float16"}]}
+    kv = TensorSpec("past_key_values.{layer}.key", "float32" if dtype == "fp32" else "float16", ())
+    interface = Interface((TensorSpec("input_ids", "int64", ()),) * 3 + (kv,), (), layers, kv_heads, head_dim,
+                          vocab, kv_sharing="shared-buffer")
     return interface, parameters * item
 
 
-def report(interface: dict[str, Any], memory: dict[str, Any] | None, weights_file_bytes: int, batch: int,
+def report(interface: Interface, memory: dict[str, Any] | None, weights_file_bytes: int, batch: int,
            context: int, max_context: int, prefill_tokens: int, budget: int, budget_source: str,
            weights_source: str = "the files' size") -> dict[str, Any]:
     """Everything `kiln plan` prints: the plan at batch x context, and what fits the budget."""
@@ -314,7 +314,8 @@ def _status(key: str) -> int:
     return 0
 
 
-def measure(model_path: Path, interface: dict[str, Any], max_context: int, threads: int | None = None) -> dict:
+def measure(model_path: Path, interface: Interface | dict[str, Any], max_context: int,
+            threads: int | None = None) -> dict:
     """In this process, which must have imported nothing heavy yet: the baseline, what the session
     adds, then prefill steps of PROBE_SHAPES, each one's high-water mark less its KV cache, and the
     least-squares per-token and per-pair activation bytes."""
@@ -328,7 +329,7 @@ def measure(model_path: Path, interface: dict[str, Any], max_context: int, threa
     baseline = _status("VmRSS:")
     backend = OnnxRuntimeBackend(model_path, interface, threads=threads, kernels=kernels)
     loaded = _status("VmRSS:")
-    shapes = Shapes.of(interface)
+    shapes = Shapes.of(Interface.of(interface))
     rows, samples = [], []
     for batch, prompt in PROBE_SHAPES:
         prompt = min(prompt, max_context - 1)
@@ -349,7 +350,7 @@ def measure(model_path: Path, interface: dict[str, Any], max_context: int, threa
 MEASUREMENTS = 5  # fresh processes; each number is the largest they saw (a low-mode load is 1 in 3 or so)
 
 
-def measure_in_subprocess(model_path: Path, interface: dict[str, Any], max_context: int,
+def measure_in_subprocess(model_path: Path, interface: Interface | dict[str, Any], max_context: int,
                           threads: int | None = None) -> dict:
     """`measure` in fresh Pythons, so the compiler's own memory (torch, the model) is not counted. What
     a session holds once loaded differs from one process to the next (SmolLM2 fp32: 695 or 882 MiB,
@@ -360,7 +361,7 @@ def measure_in_subprocess(model_path: Path, interface: dict[str, Any], max_conte
 
     root = Path(__file__).resolve().parents[1]
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
-        json.dump(interface, handle)
+        json.dump(Interface.of(interface).to_json(), handle)
     runs = []
     try:
         for _ in range(MEASUREMENTS):

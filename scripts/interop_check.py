@@ -131,7 +131,7 @@ def main() -> int:
             job["folders"][folder] = {"prompt_ids": ids, "eos": eos, "pad": generator.pad_id}
             kiln[folder] = {"label": f"{opened.manifest.name}:{name}", "ids": ids, "tokens": tokens, "eos": eos,
                             "alone": alone,
-                            "shared": entry.interface.get("kv_sharing") == "shared-buffer",
+                            "shared": entry.interface.shared_buffers,
                             "optimum_problem": optimum_problem(opened.manifest.document, name),
                             "rope_theta": (opened.manifest.model.config.get("rope_parameters") or {})
                             .get("rope_theta")}

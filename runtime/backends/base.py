@@ -28,6 +28,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
+from ..manifest import TensorSpec
+
 CPU_PROVIDERS = ["CPUExecutionProvider"]  # what a backend runs on where no providers are asked for
 
 
@@ -99,20 +101,14 @@ class HostFit:
     reason: str = ""
 
 
-def with_kv_dtype(interface: dict[str, Any], dtype: str) -> dict[str, Any]:
-    """The interface with its past and present KV entries of type `dtype`."""
-    inputs, outputs = interface["inputs"], interface["outputs"]
-    return {**interface, "inputs": [*inputs[:3], *({**entry, "dtype": dtype} for entry in inputs[3:])],
-            "outputs": [outputs[0], *({**entry, "dtype": dtype} for entry in outputs[1:])]}
-
-
-def expand(names: list[dict[str, Any]], layers: int) -> list[str]:
+def expand(specs: Sequence[TensorSpec], layers: int) -> list[str]:
+    """The graph's names of these tensors: a "{layer}" template once per layer."""
     out = []
-    for entry in names:
-        if "{layer}" in entry["name"]:
-            out.extend(entry["name"].format(layer=i) for i in range(layers))
+    for spec in specs:
+        if "{layer}" in spec.name:
+            out.extend(spec.name.format(layer=i) for i in range(layers))
         else:
-            out.append(entry["name"])
+            out.append(spec.name)
     return out
 
 

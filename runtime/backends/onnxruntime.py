@@ -47,6 +47,7 @@ with the slot checks the exact form the engine is driven in.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -56,7 +57,7 @@ import numpy as np
 
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
-from ..manifest import Manifest, Variant
+from ..manifest import Interface, Manifest, Variant
 from .base import (
     CPU_PROVIDERS,
     ClosesOnExit,
@@ -66,7 +67,6 @@ from .base import (
     kv_order,
     provider_names,
     rows_of,
-    with_kv_dtype,
     with_leading_slot,
     write_right_aligned,
 )
@@ -143,16 +143,17 @@ def kernel_library(entry: Variant, providers: list[str] | None = None) -> Path |
     return cpu_kernels.library()[0]
 
 
-def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Interface:
     """The interface of the graph open_variant runs for the entry on this host (the memory plan's too)."""
     return kernel_interface(entry) if kernel_library(entry, providers) is not None else entry.interface
 
 
-def kernel_interface(entry: Variant) -> dict[str, Any]:
+def kernel_interface(entry: Variant) -> Interface:
     """The interface of a variant's graph for Kiln's CPU kernels: the variant's, with how it prefills
     (`kernel_prefill`) and its KV cache's type (`kernel_kv_cache`, fp32 where absent)."""
-    interface = {**entry.interface, "prefill": entry.kernel_prefill or "rows"}
-    return with_kv_dtype(interface, entry.kernel_kv_cache) if entry.kernel_kv_cache else interface
+    interface = dataclasses.replace(entry.interface, prefill=entry.kernel_prefill or "rows",
+                                    activations=entry.kernel_activations)
+    return interface.with_kv_dtype(entry.kernel_kv_cache) if entry.kernel_kv_cache else interface
 
 
 class KvCache(list):
@@ -176,7 +177,7 @@ class KvCache(list):
 
 
 class OnnxRuntimeBackend(ClosesOnExit):
-    def __init__(self, model_path: Path, interface: dict[str, Any], providers: list[str] | None = None,
+    def __init__(self, model_path: Path, interface: Interface | Mapping[str, Any], providers: list[str] | None = None,
                  threads: int | None = None, kernels: Path | None = None, profile: Path | None = None) -> None:
         """`kernels`: Kiln's CPU kernel library, for a graph with its ops (runtime/cpu_kernels.py). `profile`:
         where ONNX Runtime's profiler writes (the file name's start), for which provider ran each node."""
@@ -202,21 +203,21 @@ class OnnxRuntimeBackend(ClosesOnExit):
             options.enable_profiling, options.profile_file_prefix = True, str(profile)
         self.kernels = kernels
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
-        layers = interface["layers"]
-        self.past_names = kv_order(expand(interface["inputs"][3:], layers))
-        self.output_names = ["logits", *kv_order(expand(interface["outputs"][1:], layers))]
-        self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
-        self.vocab_size = interface["vocab_size"]
-        self.logits_dtype = np.dtype(interface["outputs"][0]["dtype"])
-        self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
-        self.shared = interface.get("kv_sharing", "none") == "shared-buffer"
-        self.front_aligned = self.shared and interface.get("row_lengths") == "mask"
-        self.logits_last = interface.get("logits") == "last"
-        self.lead = int(bool(interface.get("leading_kv_slot")))
+        interface = Interface.of(interface)
+        self.past_names = kv_order(expand(interface.past, interface.layers))
+        self.output_names = ["logits", *kv_order(expand(interface.present, interface.layers))]
+        self.kv_heads, self.head_dim = interface.kv_heads, interface.head_dim
+        self.vocab_size = interface.vocab_size
+        self.logits_dtype = np.dtype(interface.logits_dtype)
+        self.kv_dtype = np.dtype(interface.kv_dtype)
+        self.shared = interface.shared_buffers
+        self.front_aligned = self.shared and interface.row_lengths == "mask"
+        self.logits_last = interface.logits == "last"
+        self.lead = int(interface.leading_kv_slot)
         self.min_rows = 1
         if self.front_aligned and self.lone_row_differs():
             self.min_rows = 2
-        self.rows_alike_in_prompts = interface.get("prefill") == "batched"  # every attention Kiln's
+        self.rows_alike_in_prompts = interface.prefill == "batched"  # every attention Kiln's
         self.limits = Limits(chunked_prefill="one-row" if self.shared else "any", rows_in_place=self.front_aligned)
 
     @property

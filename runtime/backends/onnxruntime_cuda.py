@@ -27,7 +27,7 @@ import numpy as np
 
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
-from ..manifest import Manifest, Variant
+from ..manifest import Interface, Manifest, Variant
 from .base import ClosesOnExit, HostFit, Limits, expand, provider_names
 from .onnxruntime import front_mask, row_lengths, run_in_place
 
@@ -76,7 +76,7 @@ def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
             "an NVIDIA GPU and kiln[gpu], or pick a CPU variant")
 
 
-def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Interface:
     return entry.interface
 
 
@@ -154,11 +154,12 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
     """A CUDA variant's graph with its KV cache kept on `device` (module doc). The graph's interface is
     the fused one: shared buffers, each row's length read from its mask (row_lengths: mask)."""
 
-    def __init__(self, model_path: Path, interface: Mapping[str, Any], gather: Path, scatter: Path,
+    def __init__(self, model_path: Path, interface: Interface | Mapping[str, Any], gather: Path, scatter: Path,
                  providers: list[Any], device: str = "cuda", device_id: int = 0) -> None:
         import onnxruntime as ort
 
-        if interface.get("kv_sharing") != "shared-buffer" or interface.get("row_lengths") != "mask":
+        interface = Interface.of(interface)
+        if not interface.shared_buffers or interface.row_lengths != "mask":
             raise IncompatibleArtifact("the variant's graph does not update a shared KV buffer in place; recompile it")
         missing = [p for p in provider_names(providers) if p not in ort.get_available_providers()]
         if missing:
@@ -169,14 +170,13 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
         self.gather = ort.InferenceSession(str(gather), options, providers=providers)
         self.scatter = ort.InferenceSession(str(scatter), options, providers=providers)
         self.device, self.device_id = device, device_id
-        layers = interface["layers"]
-        self.past_names = expand(interface["inputs"][3:], layers)
-        self.present_names = expand(interface["outputs"][1:], layers)
-        self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
-        self.vocab_size = interface["vocab_size"]
-        self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
-        self.logits_dtype = np.dtype(interface["outputs"][0]["dtype"])
-        self.logits_last = interface.get("logits") == "last"
+        self.past_names = expand(interface.past, interface.layers)
+        self.present_names = expand(interface.present, interface.layers)
+        self.kv_heads, self.head_dim = interface.kv_heads, interface.head_dim
+        self.vocab_size = interface.vocab_size
+        self.kv_dtype = np.dtype(interface.kv_dtype)
+        self.logits_dtype = np.dtype(interface.logits_dtype)
+        self.logits_last = interface.logits == "last"
         # GroupQueryAttention takes a prompt in pieces for one row at a time; a first prompt cannot run into
         # rows of a running batch (no views of device memory): it runs in a cache of its own and joins.
         self.limits = Limits(chunked_prefill="one-row", rows_in_place=False)

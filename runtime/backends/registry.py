@@ -14,7 +14,6 @@ has no engine yet and runs, for its checks, on ONNX Runtime.
 from __future__ import annotations
 
 import importlib
-from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 from pathlib import Path
@@ -22,7 +21,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IncompatibleArtifact
-from ..manifest import Manifest, Variant
+from ..manifest import Interface, Manifest, Variant
 from .base import Backend, HostFit, provider_names
 
 if TYPE_CHECKING:
@@ -136,7 +135,7 @@ def device_refusal(entry: Variant, device: str) -> str | None:
             "on a GPU host, or pick a CPU variant")
 
 
-def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Interface:
     """The interface of the graph open_backend runs for the entry on this host (the memory plan's too)."""
     return kind_of(entry).load().served_interface(entry, providers)
 

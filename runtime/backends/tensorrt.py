@@ -18,7 +18,6 @@ Not run on hardware by this project: no machine it runs on has TensorRT (see doc
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +25,7 @@ import numpy as np
 
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact, KilnError
-from ..manifest import Manifest, Variant
+from ..manifest import Interface, Manifest, Variant
 from .base import ClosesOnExit, HostFit, Limits, expand, rows_of, with_leading_slot, write_right_aligned
 
 
@@ -45,7 +44,7 @@ def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     return None
 
 
-def served_interface(entry: Variant, providers: list[str] | None = None) -> Mapping[str, Any]:
+def served_interface(entry: Variant, providers: list[str] | None = None) -> Interface:
     return entry.interface
 
 
@@ -184,11 +183,11 @@ class TensorRTBackend(ClosesOnExit):
             raise IncompatibleArtifact(
                 f"{engine_facts['file']} has {self.engine.num_optimization_profiles} optimization profiles, its "
                 f"profiles file {len(self.profiles)}; the artifact is inconsistent, rebuild it")
-        self.past_names = expand(interface["inputs"][3:], interface["layers"])
-        self.present_names = expand(interface["outputs"][1:], interface["layers"])
-        self.kv_heads, self.head_dim = interface["kv_heads"], interface["head_dim"]
-        self.vocab_size = interface["vocab_size"]
-        self.kv_dtype = np.dtype(interface["inputs"][3]["dtype"])
+        self.past_names = expand(interface.past, interface.layers)
+        self.present_names = expand(interface.present, interface.layers)
+        self.kv_heads, self.head_dim = interface.kv_heads, interface.head_dim
+        self.vocab_size = interface.vocab_size
+        self.kv_dtype = np.dtype(interface.kv_dtype)
         by_name = {p["name"]: p["shapes"] for p in self.profiles}
         # Profiles are prefill (past = the leading slot) or decode (one new token): no prompt in pieces.
         self.limits = Limits(max_batch_size=by_name["decode"]["input_ids"][2][0],

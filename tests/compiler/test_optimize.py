@@ -63,7 +63,7 @@ def _exported(tiny_artifacts, tiny_checkpoints, family) -> OnnxArtifact:
     entry = Artifact.open(tiny_artifacts[family]).variant("cpu-fp32-unfused")
     model = tiny_artifacts[family] / entry.model
     shapes = shapes_of(AutoConfig.from_pretrained(tiny_checkpoints[family]))
-    return OnnxArtifact(model.parent, entry.interface, shapes, 0, [model.name])
+    return OnnxArtifact(model.parent, entry.document["interface"], shapes, 0, [model.name])
 
 
 def test_fusion_counts_and_interface(tiny_artifacts, family):
@@ -146,7 +146,7 @@ def test_rotary_folds_into_attention_only_where_it_gives_the_same_numbers(tiny_a
         folder.mkdir()
         shutil.copyfile(variant.parent / GENAI_MODEL_FILE, folder / "model.onnx")
         shutil.copyfile(variant.parent / "model.onnx.data", folder / "model.onnx.data")
-        return OnnxArtifact(folder, entry.interface, shapes, 0, ["model.onnx", "model.onnx.data"])
+        return OnnxArtifact(folder, entry.document["interface"], shapes, 0, ["model.onnx", "model.onnx.data"])
 
     graph = unfolded("good")
     folded, count = fold_rotary(graph, tmp_path / "good-folded", exact=True)
@@ -352,7 +352,8 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     shutil.copy(folder / "variants" / "cpu-fp32" / "model.onnx.data", tmp_path)  # ONNX Runtime follows no link out
 
     exported = _exported(tiny_artifacts, tiny_checkpoints, family)  # for the model's shapes
-    reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry.interface, exported.shapes, 0, ["model.onnx"])
+    reference = OnnxArtifact(folder / "variants" / "cpu-fp32", entry.document["interface"], exported.shapes, 0,
+                             ["model.onnx"])
     steps = _greedy_steps(reference, seed=3)
     backends = [OnnxRuntimeBackend(reference.model_path, entry.interface),
                 OnnxRuntimeBackend(folder / entry.kernel_model, entry.interface, kernels=library),

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from runtime.errors import ArtifactError, IncompatibleArtifact
-from runtime.manifest import Manifest, ManifestError, Variant
+from runtime.manifest import Interface, Manifest, ManifestError, Variant
 
 INTERFACE = {
     "inputs": [{"name": "input_ids", "dtype": "int64", "shape": ["batch", "seq"]},
@@ -59,6 +59,12 @@ def test_a_manifest_reads_as_typed_fields():
     assert variant.files == ("variants/cpu-fp32/model.onnx", "variants/cpu-fp32/model.onnx.data")
     assert variant.document["accuracy"] == {"top1_agreement": 1.0}  # the build's record, kept as written
     assert manifest.to_json() == document()
+    interface = variant.interface
+    assert (interface.layers, interface.kv_dtype, interface.logits_dtype, interface.shared_buffers) == \
+        (2, "float32", "float32", False)
+    assert [spec.name for spec in interface.past] == ["past_key_values.{layer}.key", "past_key_values.{layer}.value"]
+    assert interface.with_kv_dtype("float16").kv_dtype == "float16" and interface.kv_dtype == "float32"
+    assert Interface.of(interface.to_json()) == interface
     with pytest.raises(AttributeError):
         variant.status = "failed"  # frozen: what the runtime acts on cannot drift from what it checked
 

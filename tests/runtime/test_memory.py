@@ -32,7 +32,7 @@ def test_kv_cache_is_what_the_runtime_allocates(tiny_artifacts):
     manifest = Artifact.open(tiny_artifacts["llama"]).manifest
     entry = manifest.variants["cpu-fp32"]
     interface = entry.interface  # tiny Llama: 2 layers, 2 kv heads, head_dim 16, fp32
-    per_token = 2 * interface["layers"] * interface["kv_heads"] * interface["head_dim"] * 4
+    per_token = 2 * interface.layers * interface.kv_heads * interface.head_dim * 4
     planned = memory.variant_plan(manifest, entry, batch=8, context=100)
     assert planned.kv_bytes_per_token == per_token and planned.kv_bytes_per_sequence == 100 * per_token
     assert planned.kv_bytes == 8 * 100 * per_token  # shared buffers: held once
