@@ -75,7 +75,7 @@ BAD = {
     "bad logits value": (("logits: last", "logits: first"), "export.logits: input should be 'last' or 'all' (got 'first')"),
     "missing model": (('model: {source: "some/model"}\n', ""), "model: required key is missing"),
     "bad variant name": (("name: cpu-fp32", "name: CPU FP32"), "variants.0.name: string should match pattern"),
-    "unknown target": (("target: onnxruntime", "target: openvino"), "variants.0.target: input should be 'onnxruntime' or 'tensorrt'"),
+    "unknown target": (("target: onnxruntime", "target: openvino"), "variants.0.target: input should be 'onnxruntime', 'onnxruntime-cuda' or 'tensorrt'"),
     "profile min > max": (
         ("{name: cpu-fp32, target: onnxruntime}", "{name: g, target: tensorrt, profiles: {batch: [8, 4, 1]}}"),
         "variants.0.profiles.batch: must be [min, opt, max] with min <= opt <= max, got [8, 4, 1]",
