@@ -43,5 +43,9 @@ class InsufficientDisk(KilnError):
     """The compile's predicted disk use is more than the output folder's file system has free."""
 
 
+class DiskFull(KilnError):
+    """The output folder's file system filled while the compile wrote the artifact."""
+
+
 class CompileProcessError(KilnError):
     """The process that runs load, export and the eager reference ended without a result."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import errno
 import json
 import os
 import platform
@@ -20,6 +21,7 @@ from runtime.backends.registry import Target
 from runtime.interop import portable_tokenizer_config, sidecar_files
 from runtime.manifest import MANIFEST, Manifest, schema_version_for
 
+from .errors import DiskFull
 from .load import Checkpoint
 from .progress import StageLog
 
@@ -37,14 +39,32 @@ def staging_folder(final: Path) -> Iterator[Path]:
     staging.mkdir()
     try:
         yield staging
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(staging, ignore_errors=True)
+        if _disk_full(exc):  # said once, here, however deep in a library the write failed
+            free = shutil.disk_usage(final.parent).free
+            raise DiskFull(
+                f"--out {final}: its file system filled while the compile wrote the artifact ({free / 2**20:.0f} MiB "
+                "free now that the partial folder is gone); nothing was written and what was there before is as it "
+                "was: free space, or pass --out on a larger disk") from exc
         raise
     previous = final.parent / f".{final.name}.previous-{os.getpid()}"
     if final.exists():
         final.rename(previous)
     staging.rename(final)
     shutil.rmtree(previous, ignore_errors=True)
+
+
+def _disk_full(exc: BaseException) -> bool:
+    """Whether an exception, or one it was raised from, is a write refused for want of space: an OSError
+    (ENOSPC, EDQUOT), or a library's own error that quotes the system's message (onnx, ONNX Runtime)."""
+    while exc is not None:
+        if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if "No space left on device" in str(exc) or "Disk quota exceeded" in str(exc):
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
 
 
 def remove_stale_staging(final: Path) -> list[Path]:

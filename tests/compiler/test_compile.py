@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import onnx
@@ -141,6 +142,46 @@ def test_failed_compile_keeps_the_previous_artifact(tiny_checkpoints, tmp_path, 
         compile_recipe(recipe, tmp_path / "art")
     assert (folder / "manifest.json").read_text() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["art", "r.yaml"]
+
+
+def test_a_disk_that_fills_mid_compile_is_one_line_and_keeps_the_previous_artifact(tiny_checkpoints, tmp_path):
+    """compile-model --no-disk-check onto a 64 MiB tmpfs (root only) filled to its last MiB: one line naming
+    the folder and the free space, exit 1, no partial folder, the artifact compiled there before intact;
+    with the room back, the same command compiles."""
+    import os
+    import subprocess
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"])
+        command = [sys.executable, "-m", "compiler.cli", str(recipe), "--out", str(disk / "art"), "--no-disk-check"]
+        first = subprocess.run(command, capture_output=True, text=True)
+        assert first.returncode == 0, first.stderr
+        before = {p.relative_to(disk): p.read_bytes() for p in (disk / "art").rglob("*") if p.is_file()}
+        ballast = disk / "ballast"
+        with open(ballast, "wb") as handle:  # all but the last MiB
+            handle.truncate(shutil.disk_usage(disk).free - (1 << 20))
+            os.posix_fallocate(handle.fileno(), 0, handle.seek(0, 2))
+        full = subprocess.run(command, capture_output=True, text=True)
+        assert full.returncode == 1, full.stderr
+        last = full.stderr.strip().splitlines()[-1]
+        assert last.startswith(f"compile-model: error: --out {disk / 'art'}: its file system filled while the compile "
+                               "wrote the artifact (") and "nothing was written" in last
+        assert sorted(p.name for p in disk.iterdir()) == ["art", "ballast"]  # no partial folder
+        assert {p.relative_to(disk): p.read_bytes() for p in (disk / "art").rglob("*") if p.is_file()} == before
+        ballast.unlink()
+        again = subprocess.run(command, capture_output=True, text=True)
+        assert again.returncode == 0, again.stderr
+    finally:
+        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_context_beyond_the_model_is_refused(tiny_checkpoints, tmp_path):
