@@ -3,7 +3,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -174,3 +177,20 @@ def tiny_artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(params=sorted(TINY_CONFIGS))
 def family(request) -> str:
     return request.param
+
+
+@contextlib.contextmanager
+def small_tmpfs(folder: Path, size: str) -> Iterator[Path]:
+    """A tmpfs of `size` (mount's -o size=) at `folder`, for tests that fill a disk (root only; the test is
+    skipped elsewhere), unmounted after."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(folder)], capture_output=True,
+                             text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", str(folder)], check=True)

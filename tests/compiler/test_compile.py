@@ -18,7 +18,7 @@ from compiler.pipeline import compile_recipe
 from runtime.artifact import Artifact, sha256_file
 from runtime.backends.onnxruntime import OnnxRuntimeBackend
 from runtime.errors import ArtifactError
-from tests.conftest import write_recipe
+from tests.conftest import small_tmpfs, write_recipe
 
 
 def test_artifact_layout_and_manifest(tiny_artifacts, family):
@@ -152,15 +152,7 @@ def test_a_disk_that_fills_mid_compile_is_one_line_and_keeps_the_previous_artifa
     import subprocess
     import sys
 
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    disk = tmp_path / "disk"
-    disk.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(disk)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "64m") as disk:
         recipe = write_recipe(tmp_path / "r.yaml", tiny_checkpoints["llama"])
         command = [sys.executable, "-m", "compiler.cli", str(recipe), "--out", str(disk / "art"), "--no-disk-check"]
         first = subprocess.run(command, capture_output=True, text=True)
@@ -180,8 +172,6 @@ def test_a_disk_that_fills_mid_compile_is_one_line_and_keeps_the_previous_artifa
         ballast.unlink()
         again = subprocess.run(command, capture_output=True, text=True)
         assert again.returncode == 0, again.stderr
-    finally:
-        subprocess.run(["umount", str(disk)], check=True)
 
 
 def test_context_beyond_the_model_is_refused(tiny_checkpoints, tmp_path):

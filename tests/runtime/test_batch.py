@@ -18,6 +18,7 @@ from runtime import batch
 from runtime.errors import KilnError
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
+from tests.conftest import small_tmpfs
 
 WORDS = "the quick brown fox jumps over lazy dog cache keys values prefill decode token".split()
 
@@ -342,20 +343,8 @@ def test_a_ray_worker_killed_mid_job_loses_and_repeats_no_row(artifact, tmp_path
 @pytest.fixture
 def small_disk(tmp_path):
     """A 64 KiB tmpfs of this test's own (root only), unmounted after it."""
-    import os
-
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    folder = tmp_path / "disk"
-    folder.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(folder)], capture_output=True,
-                             text=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
-    try:
+    with small_tmpfs(tmp_path / "disk", "64k") as folder:
         yield folder
-    finally:
-        subprocess.run(["umount", str(folder)], check=True)
 
 
 def test_a_full_disk_stops_the_job_in_one_line_and_a_rerun_with_room_finishes_it(artifact, tmp_path, small_disk):
