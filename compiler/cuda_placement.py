@@ -152,8 +152,7 @@ def _dtype(elem_type: int) -> str | None:
 
     if not elem_type:
         return None
-    name = onnx.helper.tensor_dtype_to_string(elem_type).removeprefix("TensorProto.").lower()
-    return {"float": "float", "double": "double"}.get(name, name)
+    return onnx.helper.tensor_dtype_to_string(elem_type).removeprefix("TensorProto.").lower()
 
 
 def _declared_types(graph: Any) -> dict[str, str]:

@@ -48,8 +48,7 @@ def _gather(dtype: str):
     constants = [helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
                  helper.make_tensor("two", TensorProto.INT64, [1], [2]),
                  helper.make_tensor("nothing", element, [], [0]),
-                 helper.make_tensor("zeros6", TensorProto.INT64, [6], [0] * 6),
-                 helper.make_tensor("zero1", TensorProto.INT64, [1], [0])]
+                 helper.make_tensor("zeros6", TensorProto.INT64, [6], [0] * 6)]
     nodes = [
         helper.make_node("GreaterOrEqual", ["rows", "zero"], ["valid"]),
         helper.make_node("Max", ["rows", "zero"], ["taken"]),
@@ -59,7 +58,7 @@ def _gather(dtype: str):
         helper.make_node("Slice", ["rows_kept", "zero", "keep", "two"], ["slots_kept"]),
         helper.make_node("Shape", ["slots_kept"], ["kept_shape"], start=2, end=3),
         helper.make_node("Sub", ["capacity", "kept_shape"], ["room"]),
-        helper.make_node("Concat", ["zeros6", "room", "zero1"], ["pads"], axis=0),
+        helper.make_node("Concat", ["zeros6", "room", "zero"], ["pads"], axis=0),
         helper.make_node("Pad", ["slots_kept", "pads"], ["out"]),
     ]
     constants.append(helper.make_tensor("inner_axes", TensorProto.INT64, [3], [1, 2, 3]))

@@ -184,12 +184,7 @@ class OnnxRuntimeBackend(ClosesOnExit):
         import onnxruntime as ort
 
         providers = providers or CPU_PROVIDERS
-        missing = [p for p in provider_names(providers) if p not in ort.get_available_providers()]
-        if missing:
-            raise IncompatibleArtifact(
-                f"execution provider {missing[0]} is not available in this onnxruntime build; "
-                f"available: {', '.join(ort.get_available_providers())}"
-            )
+        require_providers(providers)
         options = ort.SessionOptions()
         # Decoding is a chain of small dependent ops: all cores on each op, no inter-op pool.
         options.intra_op_num_threads = threads or os.cpu_count() or 1
@@ -391,6 +386,16 @@ class OnnxRuntimeBackend(ClosesOnExit):
                               (input_ids, attention_mask, position_ids), self.logits_last, self.vocab_size,
                               self.logits_dtype)
         return logits, cache
+
+
+def require_providers(providers: Sequence[Any]) -> None:
+    """Refuse, in one line, providers this onnxruntime build does not have (naming those it has)."""
+    import onnxruntime as ort
+
+    missing = [p for p in provider_names(providers) if p not in ort.get_available_providers()]
+    if missing:
+        raise IncompatibleArtifact(f"execution provider {missing[0]} is not available in this onnxruntime build; "
+                                   f"available: {', '.join(ort.get_available_providers())}")
 
 
 def row_lengths(attention_mask: np.ndarray, seq: int, capacity: int) -> tuple[np.ndarray, np.ndarray]:

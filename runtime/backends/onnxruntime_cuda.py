@@ -29,7 +29,7 @@ from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
 from ..manifest import Interface, Manifest, Variant
 from .base import ClosesOnExit, HostFit, Limits, expand, provider_names
-from .onnxruntime import front_mask, row_lengths, run_in_place
+from .onnxruntime import front_mask, require_providers, row_lengths, run_in_place
 
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")  # the CPU's: shape arithmetic
 MIN_ONNXRUNTIME_GPU = "1.31.1"  # the release whose CUDA kernels the compile checked the graph against
@@ -68,8 +68,9 @@ def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
         return None  # the CPU provider alone: the graph as compile-model validated it
     why = cuda_missing()
     asked = _device_id(providers or CUDA_PROVIDERS)
-    if why is None and asked >= (visible_gpus() or 0):
-        why = f"GPU {asked} was asked for and this host shows {visible_gpus()} (cuda:0 is the first)"
+    shown = visible_gpus() if why is None else None
+    if why is None and asked >= (shown or 0):
+        why = f"GPU {asked} was asked for and this host shows {shown} (cuda:0 is the first)"
     if why is None:
         return None
     return (f"variant {entry.name!r} is built for ONNX Runtime's CUDA provider, and {why}; run it on a host with "
@@ -161,9 +162,7 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
         interface = Interface.of(interface)
         if not interface.shared_buffers or interface.row_lengths != "mask":
             raise IncompatibleArtifact("the variant's graph does not update a shared KV buffer in place; recompile it")
-        missing = [p for p in provider_names(providers) if p not in ort.get_available_providers()]
-        if missing:
-            raise IncompatibleArtifact(f"execution provider {missing[0]} is not available in this onnxruntime build")
+        require_providers(providers)
         options = ort.SessionOptions()
         options.log_severity_level = 3
         self.session = ort.InferenceSession(str(model_path), options, providers=providers)
