@@ -96,10 +96,19 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 @click.option("--model-name", help="The model id clients send [default: the artifact's name].")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM or Ctrl-C, seconds to let running requests finish before aborting them.")
+@click.option("--stream-buffer", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Tokens a stream may have waiting for a client that reads slower than they come; past it "
+                   "the request is aborted, so a slow client holds its rows no longer.")
+@click.option("--write-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds a stream's client may take no bytes before its connection is closed.")
+@click.option("--send-buffer", default=256 * 1024, show_default=True, type=click.IntRange(min=0),
+              help="Kernel send buffer per connection in bytes (0: the OS default, which grows to megabytes "
+                   "a silent client may leave unread).")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
 def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_size: int, max_queue: int,
           max_prefill_tokens: int, device: str | None, threads: int | None, max_tokens_in_flight: int | None,
-          api_key: str | None, model_name: str | None, drain_timeout: float, no_verify: bool) -> None:
+          api_key: str | None, model_name: str | None, drain_timeout: float, stream_buffer: int,
+          write_timeout: float, send_buffer: int, no_verify: bool) -> None:
     """Serve ARTIFACT over the OpenAI API: POST /v1/completions and /v1/chat/completions (streaming or
     not), GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the model:
     a request that arrives while others decode joins the running batch at the next step.
@@ -113,7 +122,8 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
         click.echo(f"kiln serve: error: a server dependency is missing ({exc.name}); reinstall kiln", err=True)
         sys.exit(2)
     config = ServeConfig(artifact, variant, host, port, max_batch_size, max_queue, max_prefill_tokens, threads,
-                         api_key, model_name, drain_timeout, not no_verify, max_tokens_in_flight, device)
+                         api_key, model_name, drain_timeout, not no_verify, max_tokens_in_flight, device,
+                         stream_buffer, write_timeout, send_buffer or None)
     try:
         code = run_server(config)
     except KilnError as exc:

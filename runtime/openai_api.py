@@ -255,7 +255,8 @@ def response_body(chat: bool, model: str, results: dict[int, Result], prompt_tok
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:
-    """pydantic's errors as one ApiError (422): the first three, each with the field it is about."""
+    """pydantic's errors as one ApiError (400, as OpenAI's API and vLLM answer a bad value, where
+    FastAPI would say 422): the first three, each with the field it is about."""
     first = errors[0]
     if first.get("type") == "json_invalid":
         return ApiError(400, f"the request body is not valid JSON ({first.get('ctx', {}).get('error', 'parse error')})")
@@ -266,7 +267,7 @@ def validation_error(errors: list[dict[str, Any]]) -> ApiError:
     param = ".".join(location) or None
     message = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ()) if p != 'body') or 'body'}: {e.get('msg')}"
                         for e in errors[:3])
-    return ApiError(422, message, param, "invalid_value")
+    return ApiError(400, message, param, "invalid_value")
 
 
 def fingerprint(entry: Variant) -> str:

@@ -8,16 +8,20 @@ continuous-batching Engine.
 
 The engine steps on a thread of its own, so the event loop only parses, queues and writes: a step
 never blocks a client's connection. A client that goes away (mid-stream or while waiting) aborts
-its request, which frees its rows at the next step. SIGTERM or Ctrl-C drains: the port closes,
+its request, which frees its rows at the next step. A client that reads a stream slower than it is
+written costs only itself: past --stream-buffer tokens waiting for it, its request is aborted, and a
+connection that takes no bytes for --write-timeout seconds is closed. SIGTERM or Ctrl-C drains: the port closes,
 running requests finish (up to --drain-timeout seconds, then they are aborted), exit 0.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import dataclasses
 import hmac
 import json
+import logging
 import signal
 import threading
 import time
@@ -78,6 +82,13 @@ class ServeConfig:
     verify: bool = True
     max_tokens_in_flight: int | None = None  # default: what the memory plan says this host holds
     device: str | None = None  # cpu, cuda, cuda:N or auto (runtime/device.py)
+    # A slow or silent client's bounds: tokens its stream may have waiting to be written (then it is
+    # aborted), seconds a write may wait for it (then its connection is closed), and the kernel's send
+    # buffer per connection (without a bound Linux grows it to megabytes, which the client could leave
+    # unread long before the stream buffer ever fills).
+    stream_buffer: int = 256
+    write_timeout: float = 30.0
+    send_buffer_bytes: int | None = 256 * 1024
 
 
 class Metrics:
@@ -143,7 +154,7 @@ class EngineLoop:
 
     def __init__(self, engine: Engine, metrics: Metrics) -> None:
         self.engine, self.metrics = engine, metrics
-        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue, float]] = {}
+        self._subscribers: dict[str, tuple[asyncio.AbstractEventLoop, Submission, float]] = {}
         self._open: dict[str, set[int]] = {}  # each request's sequences that have not finished
         self._last_token: dict[tuple[str, int], float] = {}
         self._wake = threading.Event()
@@ -153,9 +164,9 @@ class EngineLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, ids: list[int], params: SamplingParams, queue: asyncio.Queue) -> str:
+    def submit(self, ids: list[int], params: SamplingParams, submission: Submission) -> str:
         request_id = new_id("req")
-        self._subscribers[request_id] = (asyncio.get_running_loop(), queue, time.perf_counter())
+        self._subscribers[request_id] = (asyncio.get_running_loop(), submission, time.perf_counter())
         self._open[request_id] = set(range(params.n))
         try:
             self.engine.add_request(ids, params, request_id)
@@ -216,8 +227,14 @@ class EngineLoop:
             if subscriber is not None:
                 self.metrics.e2e.observe(now - subscriber[2])
         if subscriber is not None:
-            loop, queue, _ = subscriber
-            loop.call_soon_threadsafe(queue.put_nowait, event)
+            loop, submission, _ = subscriber
+            submission.delivered += 1
+            if submission.too_far_behind(now) and not submission.overflowed:
+                submission.overflowed = True  # the stream says why, if its client ever reads that far
+                for request_id in list(submission.request_ids):
+                    self.engine.abort(request_id)
+                _say(f"aborted a stream whose client left more than {submission.stream_buffer} tokens unread")
+            loop.call_soon_threadsafe(submission.queue.put_nowait, event)
 
     def _fail_everything(self, message: str) -> list[Event]:
         """Every sequence still open gets an error event, and the engine starts clean."""
@@ -228,17 +245,30 @@ class EngineLoop:
 
 @dataclass
 class Submission:
-    """One HTTP request's engine requests (one per prompt), each with n sequences, and their events."""
+    """One HTTP request's engine requests (one per prompt), each with n sequences, and their events.
+    A stream has a bound on the events waiting for its reader (`stream_buffer`) while a write to its
+    client is stuck; past it the engine thread aborts the requests (`overflowed`). Events wait for a
+    fast client too, a step or two while the event loop catches up, which is not a reason to abort."""
 
     loop: EngineLoop
     n: int
+    stream_buffer: int | None = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_ids: list[str] = field(default_factory=list)
     open_sequences: int = 0
+    delivered: int = 0  # events handed over; written by the engine thread alone
+    taken: int = 0  # events the reader took; written by the event loop alone
+    write_started: float | None = None  # perf_counter when the write in progress began, if one is
+    overflowed: bool = False
 
     def add(self, ids: list[int], params: SamplingParams) -> None:
-        self.request_ids.append(self.loop.submit(ids, params, self.queue))
+        self.request_ids.append(self.loop.submit(ids, params, self))
         self.open_sequences += params.n
+
+    def too_far_behind(self, now: float) -> bool:
+        started = self.write_started
+        return (self.stream_buffer is not None and started is not None and now - started > STUCK_WRITE_S
+                and self.delivered - self.taken > self.stream_buffer)
 
     def choice_index(self, event: Event) -> int:
         return self.request_ids.index(event.request_id) * self.n + event.sequence
@@ -246,6 +276,7 @@ class Submission:
     async def events(self) -> AsyncIterator[Event]:
         while self.open_sequences:
             event = await self.queue.get()
+            self.taken += 1
             if event.finish_reason is not None:
                 self.open_sequences -= 1
             yield event
@@ -321,6 +352,8 @@ class Service:
             submission.close()
             raise ApiError(400, str(exc), param) from None
 
+
+STUCK_WRITE_S = 0.05  # a write to a client that takes this long waits for the socket to drain
 
 MAX_BODY_BYTES = 10 * 2**20  # a request body past this is refused (413) before it is read whole or parsed
 
@@ -456,17 +489,46 @@ def create_app(service: Service) -> Any:
     return app
 
 
+class _ClientStalled(Exception):
+    """A write waited longer than the write timeout for its client to take bytes."""
+
+
+# Set in a request's context when Kiln closed its connection on purpose (a stalled client), so
+# uvicorn's complaint about the unfinished response is not logged as if it were a bug.
+_CLOSED_ON_PURPOSE: contextvars.ContextVar[bool] = contextvars.ContextVar("kiln_closed_on_purpose", default=False)
+
+
+class _QuietOnPurposeClose(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CLOSED_ON_PURPOSE.get() and "without completing response" in record.getMessage())
+
+
 class _ClosingStream(StreamingResponse):
     """A stream whose submission is closed however the response ends: a client that is gone before
-    the first chunk never starts the body's generator, whose own `finally` would then never run."""
+    the first chunk never starts the body's generator, whose own `finally` would then never run. A
+    client that takes no bytes for `write_timeout` seconds has its connection closed (returning with
+    the response unfinished is how an ASGI app makes uvicorn close it)."""
 
-    def __init__(self, submission: Submission, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, submission: Submission, write_timeout: float, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.submission = submission
+        self.submission, self.write_timeout = submission, write_timeout
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        async def send_in_time(message: Any) -> None:
+            self.submission.write_started = time.perf_counter()
+            try:
+                async with asyncio.timeout(self.write_timeout):
+                    await send(message)
+            except TimeoutError:
+                raise _ClientStalled from None
+            finally:
+                self.submission.write_started = None
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, send_in_time)
+        except _ClientStalled:
+            _CLOSED_ON_PURPOSE.set(True)
+            _say(f"closed a stream whose client took no bytes for {self.write_timeout:g} s")
         finally:
             self.submission.close()
 
@@ -488,13 +550,13 @@ _CHAT = _Shape("chatcmpl", "chat.completion", "chat.completion.chunk", chat=True
 async def _answer(service: Service, request: Any, body: Any, shape: _Shape) -> Any:
     texts, param = request_prompts(body)
     prompts = [service.encode(text, param) for text in texts]
-    submission = Submission(service.loop, body.n)
+    submission = Submission(service.loop, body.n, service.config.stream_buffer if body.stream else None)
     service.admit(submission, prompts, body, param)
     response_id = new_id(shape.prefix)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
         chunks = _stream(service, submission, shape, response_id, prompts, body.n, include_usage)
-        return _ClosingStream(submission, chunks, media_type="text/event-stream",
+        return _ClosingStream(submission, service.config.write_timeout, chunks, media_type="text/event-stream",
                               headers={"Cache-Control": "no-cache"})
     results = await _collect_or_abort(submission, request)
     if results is None:  # the client went away; nobody reads this
@@ -556,6 +618,12 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
                 error = ApiError(500, f"generation failed: {event.result.error}", kind="internal_error")
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
+            if submission.overflowed and event.finish_reason == "abort":
+                error = ApiError(400, f"the client read this stream too slowly: more than "
+                                 f"{submission.stream_buffer} tokens waited to be sent, so it was aborted",
+                                 code="stream_buffer_full")
+                yield f"data: {json.dumps(error.body())}\n\n"
+                break
             completion_tokens += event.result.generated_tokens if event.result is not None else 0
             if not (event.text or event.logprob or event.finish_reason):
                 continue
@@ -608,6 +676,8 @@ def serve(config: ServeConfig) -> int:
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    if config.send_buffer_bytes:  # accepted connections inherit it
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, config.send_buffer_bytes)
     try:
         listener.bind((config.host, config.port))
     except OSError as exc:
@@ -618,6 +688,7 @@ def serve(config: ServeConfig) -> int:
     port = listener.getsockname()[1]
     server = _draining_server(uvicorn.Config(create_app(service), log_level="warning", lifespan="on",
                                              timeout_graceful_shutdown=config.drain_timeout), service)
+    logging.getLogger("uvicorn.error").addFilter(_QuietOnPurposeClose())
     host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
     _say(f"http://{host}:{port}/v1  model {service.model}  variant {selection.name}  "
          f"max batch {config.max_batch_size}  max queue {config.max_queue}  "
