@@ -2,7 +2,7 @@
 
     python bench/generate.py [--artifact out/smollm2-135m-instruct] [--batches 1 8 32] [--new-tokens 64]
 
-Greedy, prompts of 30 to 60 tokens cut from recipes/data/heldout.txt, exactly --new-tokens generated
+Greedy, prompts of 30 to 60 tokens cut from compiler/data/heldout.txt, exactly --new-tokens generated
 per prompt (EOS ignored on both sides), 2 threads each. Kiln and eager run one after the other, never
 together: on 2 cores eager collapses under contention. Each cell is the median of --repeats runs after a
 warm-up. Also measures memory read bandwidth and prints the floor for a batch-1 decode step
@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 
 def make_prompts(tokenizer, count: int, seed: int = 0) -> list[list[int]]:
-    ids = tokenizer.encode((ROOT / "recipes" / "data" / "heldout.txt").read_text(), add_special_tokens=False)
+    ids = tokenizer.encode((ROOT / "compiler" / "data" / "heldout.txt").read_text(), add_special_tokens=False)
     rng = np.random.default_rng(seed)
     prompts = []
     for _ in range(count):

@@ -29,7 +29,7 @@ Accuracy, each backend against eager on a held-out text, teacher-forced in rows 
 agreement (with how many of the scored tokens differ) and perplexity; and greedy tokens at batch 1
 equal to eager's (per prompt, of 16), and batch 8's equal to the same backend's batch 1 (batch
 invariance, of 16). The text is bench/data/heldout-long.txt: the compile's held-out text
-(recipes/data/heldout.txt, 472 tokens) and 2,705 tokens more in 16 kinds of prose written for this
+(compiler/data/heldout.txt, 472 tokens) and 2,705 tokens more in 16 kinds of prose written for this
 benchmark (stories, dialogue, a letter, explanations of science and computing, recipes, instructions,
 news, notices), 3,177 tokens in all. At top-1 near 0.98, one token of 472 is 0.2 points and the
 binomial spread alone about 0.6: SmolLM2's cpu-int8 measured 0.987 on the first 472 tokens and 0.980
@@ -92,7 +92,7 @@ def chat_prompts(generator, count: int) -> list[list[int]]:
     """`count` chat-templated prompts, their lengths spread over PROMPT_TOKENS: a request to continue a
     window of the held-out text, each window starting 7 words after the last and growing until the
     prompt reaches its length."""
-    words = (ROOT / "recipes" / "data" / "heldout.txt").read_text().split()
+    words = (ROOT / "compiler" / "data" / "heldout.txt").read_text().split()
     low, high = PROMPT_TOKENS
     prompts = []
     for number in range(count):

@@ -3,7 +3,7 @@
 Both graphs run under ONNX Runtime through the runtime's own backend, so what is measured is what
 ships. Two kinds of input:
 
-- the held-out text (recipes/data/heldout.txt by default), teacher-forced: perplexity of both, its
+- the held-out text (compiler/data/heldout.txt by default), teacher-forced: perplexity of both, its
   relative change, top-1 agreement and logit errors at every position;
 - the validation prompts: the reference's greedy continuation of N tokens, then the variant
   teacher-forced over it (top-1 agreement, logit errors) and decoding greedily on its own (exact

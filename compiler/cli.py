@@ -68,9 +68,9 @@ def main(recipe: str, out: str | None, variants: tuple[str, ...], keep_failed: b
 @click.argument("a")
 @click.argument("b")
 @click.option("--prompts", "prompts_file", type=click.Path(path_type=Path),
-              help='JSONL of {"prompt": ...} [default: recipes/data/prompts.jsonl].')
+              help='JSONL of {"prompt": ...} [default: compiler/data/prompts.jsonl].')
 @click.option("--text", "text_file", type=click.Path(path_type=Path),
-              help="Held-out text for perplexity [default: recipes/data/heldout.txt].")
+              help="Held-out text for perplexity [default: compiler/data/heldout.txt].")
 @click.option("--max-new-tokens", default=32, show_default=True, type=click.IntRange(1))
 @click.option("--gates", "gates_file", type=click.Path(path_type=Path),
               help="YAML/JSON mapping gate: threshold [default: the gates B was compiled with].")

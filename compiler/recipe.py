@@ -104,7 +104,7 @@ def default_profiles(max_context: int) -> Profiles:
 class QuantizeSpec(_Strict):
     mode: Literal["int8-dynamic", "int8-static", "int4"]
     # int8-static: a JSON-lines file of {"prompt": ...}, relative to the recipe; the default set
-    # ships in recipes/data/calibration.jsonl.
+    # ships in compiler/data/calibration.jsonl.
     calibration: str | None = None
     method: Literal["minmax", "entropy", "percentile"] = "minmax"
     # int8-dynamic, int4: weights per block of this many input features (MatMulNBits).
@@ -188,7 +188,7 @@ BUILDS_BY_TARGET = {
     # is not built yet (see docs/gpu.md).
     "onnxruntime-cuda": {("fp16", None), ("fp16", "int4")},
 }
-DATA = Path(__file__).resolve().parents[1] / "recipes" / "data"
+DATA = Path(__file__).resolve().parent / "data"  # package data: an installed compiler finds it too
 DEFAULT_CALIBRATION = DATA / "calibration.jsonl"
 DEFAULT_PROMPTS = DATA / "prompts.jsonl"
 DEFAULT_TEXT = DATA / "heldout.txt"
@@ -260,7 +260,7 @@ class Variant(_Strict):
 
 class ValidateSpec(_Strict):
     # JSON lines of {"prompt": ...} and a plain-text file, relative to the recipe; the defaults ship
-    # in recipes/data/.
+    # in compiler/data/.
     prompts: str | None = None
     text: str | None = None
     max_new_tokens: int = Field(32, ge=1)

@@ -76,9 +76,11 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 @kiln.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--variant", help="Variant to serve [default: the first built one this host runs].")
-@click.option("--host", default="127.0.0.1", show_default=True,
-              help="Address to listen on (0.0.0.0 for every interface).")
-@click.option("--port", default=8000, show_default=True, help="Port to listen on (0: any free port, printed).")
+@click.option("--host", default="127.0.0.1", show_default=True, envvar="KILN_HOST",
+              help="Address to listen on (0.0.0.0 for every interface), or set KILN_HOST (the images set "
+                   "0.0.0.0).")
+@click.option("--port", default=8000, show_default=True, envvar="KILN_PORT",
+              help="Port to listen on (0: any free port, printed), or set KILN_PORT.")
 @click.option("--max-batch-size", default=32, show_default=True, type=click.IntRange(min=1),
               help="Most sequences decoded together; more requests wait in the queue.")
 @click.option("--max-queue", default=256, show_default=True, type=click.IntRange(min=0),
@@ -87,7 +89,8 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
               help="Most prompt tokens run between two decode steps (longer prompts go in pieces where the "
                    "variant allows): bounds how long a burst of prompts stalls the running requests.")
 @click.option("--device", help=DEVICE_HELP, callback=device_checked)
-@click.option("--threads", type=click.IntRange(min=1), help="ONNX Runtime intra-op threads [default: all cores].")
+@click.option("--threads", type=click.IntRange(min=1), envvar="KILN_THREADS",
+              help="ONNX Runtime intra-op threads, or set KILN_THREADS [default: all cores].")
 @click.option("--max-tokens-in-flight", type=click.IntRange(min=1),
               help="KV slots the running requests may reserve (prompt + max_tokens each); more wait in the queue "
                    "[default: what this host's free memory holds, from the memory plan (kiln plan)].")

@@ -14,6 +14,34 @@ import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+ROOT = Path(__file__).resolve().parents[1]
+
+# scripts/docker-check, started when the session's tests are collected and read by tests/test_docker.py:
+# it waits on apt, pip and Docker far more than on the CPU, so it runs beside the rest of the suite,
+# niced, instead of adding its minutes after them.
+DOCKER_CHECK = pytest.StashKey[tuple[subprocess.Popen, Path]]()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if not any(item.nodeid.startswith("tests/test_docker.py") for item in session.items):
+        return
+    import tempfile
+
+    log = Path(tempfile.mkstemp(prefix="kiln-docker-check-", suffix=".log")[1])
+    with open(log, "w") as output:
+        process = subprocess.Popen(["nice", "-n", "10", "bash", str(ROOT / "scripts" / "docker-check")], cwd=ROOT,
+                                   stdout=output, stderr=subprocess.STDOUT)
+    session.config.stash[DOCKER_CHECK] = (process, log)
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A docker check still running (its test deselected by -x, say) is stopped: it stops its dockerd."""
+    process, _ = session.config.stash.get(DOCKER_CHECK, (None, None))
+    if process is not None and process.poll() is None:
+        process.terminate()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(120)
+
 VOCAB = 320
 EOS = 0
 CORPUS = [

@@ -14,7 +14,7 @@ ROOT = HELDOUT.parents[2]
 def test_the_benchmarks_text_is_the_compiles_and_more_scored_whole(tiny_artifacts):
     from runtime.generator import Generator
 
-    compile_text = (ROOT / "recipes" / "data" / "heldout.txt").read_text()
+    compile_text = (ROOT / "compiler" / "data" / "heldout.txt").read_text()
     text = HELDOUT.read_text()
     assert text.startswith(compile_text) and len(text) > 6 * len(compile_text)
 

@@ -137,7 +137,7 @@ def test_memory_plan_holds_for_a_real_run(smollm2_artifact):
         "import json, sys\n"
         "from runtime.generator import Generator\nfrom runtime.sampling import SamplingParams\n"
         f"g = Generator.load({str(smollm2_artifact)!r}, 'cpu-fp32', threads=2, max_batch_size=8)\n"
-        "ids = g.tokenizer.encode(open('recipes/data/heldout.txt').read()) * 4\n"
+        "ids = g.tokenizer.encode(open('compiler/data/heldout.txt').read()) * 4\n"
         "prompts = [ids[i * 37:i * 37 + 512] for i in range(8)]\n"
         "r = g.generate(prompts, SamplingParams(max_new_tokens=512, ignore_eos=True))\n"
         "assert all(x.prompt_tokens + x.generated_tokens == 1024 for x in r)\n"
