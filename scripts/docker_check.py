@@ -109,17 +109,9 @@ class _Adopted:
 
 def tiny_project(folder: Path) -> Path:
     """A tiny random-weight Llama checkpoint with a tokenizer and chat template, and its recipe."""
-    import torch
-    import transformers
+    from tests.conftest import long_context_llama
 
-    from tests.conftest import EOS, VOCAB, build_tokenizer
-
-    config = transformers.LlamaConfig(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, hidden_size=64,
-                                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder / "checkpoint")
-    build_tokenizer(folder / "checkpoint")
+    long_context_llama(folder / "checkpoint")
     recipe = folder / "tiny.yaml"
     recipe.write_text('name: tiny-docker\nmodel: {source: "checkpoint"}\n'
                       "export: {opset: 18, max_context: 2048, logits: last}\n"

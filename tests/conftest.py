@@ -100,6 +100,21 @@ CHAT_TEMPLATE = (
 )
 
 
+def long_context_llama(folder: Path) -> Path:
+    """A tiny random-weight Llama with a 2,048-token context (so a long request decodes for seconds),
+    saved with its tokenizer in folder; the server tests and scripts/docker_check.py serve it."""
+    import torch
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, hidden_size=64,
+                                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=2048)
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(folder)
+    build_tokenizer(folder)
+    return folder
+
+
 def build_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

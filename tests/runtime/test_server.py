@@ -21,7 +21,7 @@ import pytest
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
 
-from ..conftest import EOS, VOCAB, build_tokenizer
+from ..conftest import long_context_llama
 
 KEY = "test-key"
 MODEL = "tiny-serve"
@@ -31,18 +31,10 @@ MODEL = "tiny-serve"
 def serve_artifact(tmp_path_factory) -> Path:
     """A tiny Llama with a 2048-token context, so a long request decodes for seconds: time enough for a
     client to disconnect or another to find the queue full while it runs."""
-    import torch
-    import transformers
-
     from compiler.pipeline import compile_recipe
 
     root = tmp_path_factory.mktemp("serve")
-    config = transformers.LlamaConfig(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, hidden_size=64,
-                                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=2048)
-    torch.manual_seed(0)
-    transformers.AutoModelForCausalLM.from_config(config).eval().save_pretrained(root / "checkpoint")
-    build_tokenizer(root / "checkpoint")
+    long_context_llama(root / "checkpoint")
     recipe = root / "serve.yaml"
     recipe.write_text(f'name: {MODEL}\nmodel: {{source: "{root / "checkpoint"}"}}\n'
                       "export: {opset: 18, max_context: 2048, logits: last}\n"
