@@ -207,12 +207,13 @@ def main() -> int:
     daemon = None
     try:
         daemon = start_engine(root)
-        build = subprocess.run(["bash", str(ROOT / "scripts" / "docker-build")], cwd=ROOT, text=True,
-                               capture_output=True, timeout=3600)
-        for line in build.stdout.splitlines():
-            print(line, flush=True)
-        if build.returncode != 0:
-            raise Failed(f"scripts/docker-build failed: {build.stderr.strip().splitlines()[-1:]}")
+        # Its lines (each step's time and size) as they come: a cold build takes minutes.
+        build = subprocess.Popen(["bash", str(ROOT / "scripts" / "docker-build")], cwd=ROOT, text=True,
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        for line in build.stdout:
+            print(line, end="", flush=True)
+        if build.wait() != 0:
+            raise Failed("scripts/docker-build failed (its lines are above)")
         facts = image_facts()
         with tempfile.TemporaryDirectory(prefix="kiln-docker-check-") as temporary:
             project = Path(temporary)
