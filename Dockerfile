@@ -82,9 +82,10 @@ RUN python3 -m venv /opt/venv \
 
 FROM python-base AS build-cpu
 COPY --from=build-venv /opt/venv /opt/venv
-RUN useradd --create-home --uid 10001 kiln
 ENV PATH=/opt/venv/bin:$PATH HF_HUB_OFFLINE=1
 # Recipes name their checkpoints relative to where the command runs: mount the project at /data.
+# Root, so that it can write into any mounted folder; --user "$(id -u):$(id -g)" -e HOME=/tmp makes
+# the files yours.
 WORKDIR /data
 ENTRYPOINT ["kiln"]
 CMD ["--help"]

@@ -4,22 +4,26 @@ time, with its resident memory, open file descriptors and threads sampled throug
     python bench/soak.py [--artifact out/smollm2-135m-instruct] [--variant cpu-int8] [--minutes 20]
                          [--max-requests 20000] [--clients 6] [--threads 2]
 
-Two phases, one server (max batch 8, max queue 8, so bursts find the queue full):
+Two phases, each on a server of its own:
 
-1. A silent client's cost to the others. 8 greedy streams of 64 tokens alone, then the same 8 beside a
-   client that sent a long stream with logprobs and never reads a byte; alternated, --itl-rounds each.
-   Median inter-token latency of the 8, each way, and their ratio (1.0: the silent client costs them
-   nothing). Each silent client must end aborted (its stream buffer full) with its connection closed.
-2. The soak. --clients clients send requests back to back until --minutes pass or --max-requests are
-   sent, each request drawn (seeded) from: completions and chat, streamed or not; n > 1 sampled with a
-   seed; beam search; stop strings; logprobs; a stream dropped after two chunks; a client that never
-   reads; bad bodies (an unknown role, malformed JSON, an unknown model, max_tokens -1, a body over
-   10 MB). Every --burst-every seconds a burst of 3 x (batch + queue) requests at once. Every
-   --checkpoint-every seconds the load pauses until the server is idle and its idle connections have
-   expired, and RSS, fds and threads are sampled quiet (samples under load move with the load).
+1. A silent client's cost to the others (max batch 16: room for the 8 and it). 8 greedy streams of 64
+   tokens alone; then a client sends a long stream with logprobs and never reads a byte, and the 8
+   stream again and again for its whole life (decoding while the buffers fill, stuck, aborted, until
+   its connection is closed); --itl-rounds times. Median inter-token latency of the 8, each way, and
+   their ratio (1.0: the silent client costs them nothing). Each silent client must be aborted by its
+   stream buffer (the server's line says so) and its connection closed.
+2. The soak (max batch 8, max queue 8, so bursts find the queue full). --clients clients send
+   requests back to back until --minutes pass or --max-requests are sent, each request drawn
+   (seeded) from: completions and chat, streamed or not; n > 1 sampled with a seed; beam search;
+   stop strings; logprobs; a stream dropped after two chunks; a client that never reads; bad bodies
+   (an unknown role, malformed JSON, an unknown model, max_tokens -1, a body over 10 MB). Every
+   --burst-every seconds a burst of 3 x (batch + queue) requests at once. Every --checkpoint-every
+   seconds the load pauses until the server is idle and its idle connections have expired, and
+   RSS, fds and threads are sampled quiet (samples under load move with the load).
 
 Checked (each a row of the table, the run's exit code 1 if one fails):
 - no 5xx, and no error inside a 200 stream;
+- no request without an answer (a timeout, a connection dropped);
 - nothing lost: the sequences the server admitted (every 200's n x prompts) equal the sequences
   /metrics counts finished (stop, length) or aborted, and every refusal the client saw is counted
   under its status in kiln:request_rejected, so requests sent = finished + aborted + rejected;
@@ -65,6 +69,7 @@ class Tally:
     finishes: Counter = field(default_factory=Counter)  # finish reasons the client read
     kinds: Counter = field(default_factory=Counter)
     stream_errors: list[str] = field(default_factory=list)
+    lost: list[str] = field(default_factory=list)  # no answer at all: a timeout, a connection dropped
     unexpected: list[str] = field(default_factory=list)  # a status other than the kind's expected one
 
 
@@ -136,8 +141,13 @@ async def raw_post(port: int, path: str, body: bytes, content_length: int | None
         data = await reader.read()
     finally:
         writer.close()
-    status = int(data.split(b" ", 2)[1]) if data.startswith(b"HTTP/1.1 ") else 0
-    return status, data
+    return _status(data), data
+
+
+def _status(line: bytes) -> int:
+    """The status of an HTTP/1.1 status line; 0 for anything else (a connection closed early)."""
+    parts = line.split(b" ", 2)
+    return int(parts[1]) if line.startswith(b"HTTP/1.1 ") and len(parts) > 1 and parts[1].isdigit() else 0
 
 
 async def dropped_stream(port: int, model: str) -> int:
@@ -148,7 +158,7 @@ async def dropped_stream(port: int, model: str) -> int:
     try:
         writer.write(_request_bytes(port, "/v1/completions", body))
         await writer.drain()
-        status = int((await reader.readline()).split(b" ", 2)[1])
+        status = _status(await reader.readline())
         chunks = 0
         while status == 200 and chunks < 2:
             line = await reader.readline()
@@ -173,7 +183,7 @@ def silent_client(server: ServerProcess, limit_s: float = 300) -> int:
         silent.connect(("127.0.0.1", port))
         silent.sendall(_request_bytes(port, "/v1/completions", body))
         silent.settimeout(120)
-        status = int(silent.recv(12, socket.MSG_PEEK).split(b" ")[1])
+        status = _status(silent.recv(12, socket.MSG_PEEK | socket.MSG_WAITALL))
         if status != 200:
             return status
         deadline = time.time() + limit_s
@@ -266,6 +276,8 @@ async def one_request(client, server: ServerProcess, kind: str, rng: random.Rand
         tally.statuses[error.status_code] += 1
         if error.status_code != 429:
             tally.unexpected.append(f"{kind}: {error.status_code} {error.message[:120]}")
+    except openai.APIConnectionError as error:  # a timeout too: the request got no answer
+        tally.lost.append(f"{kind}: {type(error).__name__}: {error}"[:200])
     except openai.APIError as error:  # an error event inside a 200 stream
         tally.statuses[200] += 1
         tally.stream_errors.append(f"{kind}: {error}"[:200])
@@ -383,7 +395,9 @@ async def itl_of_eight(server: ServerProcess) -> list[float]:
 
 
 def silent_client_cost(server: ServerProcess, rounds: int) -> dict:
-    alone, beside, aborted_before = [], [], _aborted(server)
+    """Per round: the 8 streams alone, then again and again for the whole life of a silent client
+    (decoding while the buffers fill, stuck, aborted, until its connection is closed)."""
+    alone, beside = [], []
     for _ in range(rounds):
         alone += asyncio.run(itl_of_eight(server))
         silent = threading.Thread(target=silent_client, args=(server,))
@@ -392,18 +406,15 @@ def silent_client_cost(server: ServerProcess, rounds: int) -> dict:
         while not server.metrics()["kiln:num_requests_running"] and time.time() < deadline:
             time.sleep(0.05)
         beside += asyncio.run(itl_of_eight(server))
+        while silent.is_alive():
+            beside += asyncio.run(itl_of_eight(server))
         silent.join()
-    aborted = _aborted(server) - aborted_before
-    closed = server.closed_for_silence()
     result = {"rounds": rounds, "itl_p50_alone_s": statistics.median(alone),
               "itl_p50_beside_silent_s": statistics.median(beside), "silent_clients": rounds,
-              "silent_aborted": aborted, "silent_connections_closed": closed}
+              "silent_aborted": sum("aborted a stream whose client left" in line for line in server.lines),
+              "silent_connections_closed": server.closed_for_silence()}
     result["itl_ratio"] = result["itl_p50_beside_silent_s"] / result["itl_p50_alone_s"]
     return result
-
-
-def _aborted(server: ServerProcess) -> float:
-    return server.metrics().get("kiln:request_success_total{finished_reason=abort}", 0)
 
 
 # -- the checks and the table ----------------------------------------------------------------------
@@ -436,8 +447,10 @@ def verdicts(tally: Tally, metrics: dict[str, float], quiet: list[dict], slow: d
         ("refusals: client = /metrics, by status",
          ", ".join(f"{s}: {v} / {rejected.get(s, 0):.0f}" for s, v in sorted(client_refusals.items())),
          {s: float(v) for s, v in client_refusals.items()} == {s: v for s, v in rejected.items() if v}),
-        ("requests sent = admitted + refused", f"{tally.sent} = {admitted_requests} + {sum(client_refusals.values())}",
-         tally.sent == admitted_requests + sum(client_refusals.values())),
+        ("no request without an answer", f"{tally.sent} sent = {admitted_requests} answered + "
+         f"{sum(client_refusals.values())} refused + {len(tally.lost)} with no answer"
+         + (f" (first: {tally.lost[0]})" if tally.lost else ""),
+         not tally.lost and tally.sent == admitted_requests + sum(client_refusals.values())),
         ("RSS flat after warm-up (<= 5%)", f"{first['rss_mib']:.1f} MiB at {first['minute']:.1f} min -> "
          f"{last['rss_mib']:.1f} MiB at {last['minute']:.1f} min ({rss_growth:+.1%})", rss_growth <= 0.05),
         ("open fds flat", f"{first['fds']} -> {last['fds']}", last["fds"] <= first["fds"]),
@@ -466,6 +479,13 @@ def main() -> None:
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "soak.json")
     args = parser.parse_args()
 
+    print(f"phase 1: 8 streams alone and beside a silent client, {args.itl_rounds} rounds", flush=True)
+    rows_for_nine = ServerProcess(args.artifact, args.variant, args.threads, "--max-batch-size", "16",
+                                  "--write-timeout", str(args.write_timeout))
+    try:
+        slow = silent_client_cost(rows_for_nine, args.itl_rounds)
+    finally:
+        rows_for_nine.stop()
     server = ServerProcess(args.artifact, args.variant, args.threads, "--max-batch-size", "8", "--max-queue", "8",
                            "--write-timeout", str(args.write_timeout))
     samples: list[dict] = []
@@ -478,13 +498,10 @@ def main() -> None:
     threading.Thread(target=sampler, daemon=True).start()
     started = time.time()
     try:
-        print(f"phase 1: 8 streams alone and beside a silent client, {args.itl_rounds} rounds", flush=True)
-        slow = silent_client_cost(server, args.itl_rounds)
         print(f"phase 2: the mix for {args.minutes:g} min, {args.clients} clients", flush=True)
-        tally, quiet, before = Tally(), [], server.metrics()
+        tally, quiet = Tally(), []
         asyncio.run(soak(server, args, tally, quiet))
-        counted = {key: value - before.get(key, 0) for key, value in server.metrics().items()}  # phase 2's
-        rows = verdicts(tally, counted, quiet, slow, warmup_minute=args.minutes / 4)
+        rows = verdicts(tally, server.metrics(), quiet, slow, warmup_minute=args.minutes / 4)
     finally:
         sampling.set()
         code = server.stop()
@@ -494,7 +511,7 @@ def main() -> None:
               "statuses": {str(k): v for k, v in sorted(tally.statuses.items())}, "server_exit": code,
               "connections_closed_for_silence": closed, "silent_client_cost": slow, "checks": rows,
               "quiet_samples": quiet, "samples": samples, "unexpected": tally.unexpected[:20],
-              "stream_errors": tally.stream_errors[:20]}
+              "stream_errors": tally.stream_errors[:20], "lost": tally.lost[:20]}
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\n{tally.sent} requests in {args.minutes:g} min ({', '.join(f'{k} {v}' for k, v in tally.kinds.items())})")

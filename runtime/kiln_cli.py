@@ -100,10 +100,11 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0),
               help="On SIGTERM or Ctrl-C, seconds to let running requests finish before aborting them.")
 @click.option("--stream-buffer", default=256, show_default=True, type=click.IntRange(min=1),
-              help="Tokens a stream may have waiting for a client that reads slower than they come; past it "
-                   "the request is aborted, so a slow client holds its rows no longer.")
+              help="Tokens per sequence a stream may have waiting behind a write stuck on its client; past "
+                   "it the request is aborted, so a client that does not read holds its rows no longer.")
 @click.option("--write-timeout", default=30.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
-              help="Seconds a stream's client may take no bytes before its connection is closed.")
+              help="Seconds a write may wait for a stream's client to make room before its connection is "
+                   "aborted (what was buffered for it dropped).")
 @click.option("--send-buffer", default=256 * 1024, show_default=True, type=click.IntRange(min=0),
               help="Kernel send buffer per connection in bytes (0: the OS default, which grows to megabytes "
                    "a silent client may leave unread).")

@@ -17,11 +17,9 @@ running requests finish (up to --drain-timeout seconds, then they are aborted), 
 from __future__ import annotations
 
 import asyncio
-import contextvars
 import dataclasses
 import hmac
 import json
-import logging
 import signal
 import threading
 import time
@@ -256,6 +254,7 @@ class Submission:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_ids: list[str] = field(default_factory=list)
     open_sequences: int = 0
+    sequences: int = 0  # all it asked for: the stream buffer is per sequence
     delivered: int = 0  # events handed over; written by the engine thread alone
     taken: int = 0  # events the reader took; written by the event loop alone
     write_started: float | None = None  # perf_counter when the write in progress began, if one is
@@ -264,11 +263,12 @@ class Submission:
     def add(self, ids: list[int], params: SamplingParams) -> None:
         self.request_ids.append(self.loop.submit(ids, params, self))
         self.open_sequences += params.n
+        self.sequences += params.n
 
     def too_far_behind(self, now: float) -> bool:
         started = self.write_started
         return (self.stream_buffer is not None and started is not None and now - started > STUCK_WRITE_S
-                and self.delivered - self.taken > self.stream_buffer)
+                and self.delivered - self.taken > self.stream_buffer * max(1, self.sequences))
 
     def choice_index(self, event: Event) -> int:
         return self.request_ids.index(event.request_id) * self.n + event.sequence
@@ -353,7 +353,8 @@ class Service:
             raise ApiError(400, str(exc), param) from None
 
 
-STUCK_WRITE_S = 0.05  # a write to a client that takes this long waits for the socket to drain
+# A write this long waits for its client to read (the socket is full), not for the event loop.
+STUCK_WRITE_S = 0.25
 
 MAX_BODY_BYTES = 10 * 2**20  # a request body past this is refused (413) before it is read whole or parsed
 
@@ -493,21 +494,12 @@ class _ClientStalled(Exception):
     """A write waited longer than the write timeout for its client to take bytes."""
 
 
-# Set in a request's context when Kiln closed its connection on purpose (a stalled client), so
-# uvicorn's complaint about the unfinished response is not logged as if it were a bug.
-_CLOSED_ON_PURPOSE: contextvars.ContextVar[bool] = contextvars.ContextVar("kiln_closed_on_purpose", default=False)
-
-
-class _QuietOnPurposeClose(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not (_CLOSED_ON_PURPOSE.get() and "without completing response" in record.getMessage())
-
-
 class _ClosingStream(StreamingResponse):
     """A stream whose submission is closed however the response ends: a client that is gone before
     the first chunk never starts the body's generator, whose own `finally` would then never run. A
-    client that takes no bytes for `write_timeout` seconds has its connection closed (returning with
-    the response unfinished is how an ASGI app makes uvicorn close it)."""
+    write that waits `write_timeout` seconds for its client to take bytes aborts the connection:
+    what the kernel and the transport hold for it is dropped (a plain close would wait for the
+    client to read it, which a silent client never does)."""
 
     def __init__(self, submission: Submission, write_timeout: float, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -527,7 +519,10 @@ class _ClosingStream(StreamingResponse):
         try:
             await super().__call__(scope, receive, send_in_time)
         except _ClientStalled:
-            _CLOSED_ON_PURPOSE.set(True)
+            abort = scope.get("kiln.abort_connection")
+            if abort is not None:  # else uvicorn closes it when the response returns unfinished
+                abort()
+                await asyncio.sleep(0)  # uvicorn hears of the lost connection before the return
             _say(f"closed a stream whose client took no bytes for {self.write_timeout:g} s")
         finally:
             self.submission.close()
@@ -686,9 +681,9 @@ def serve(config: ServeConfig) -> int:
 
         raise KilnError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
     port = listener.getsockname()[1]
-    server = _draining_server(uvicorn.Config(create_app(service), log_level="warning", lifespan="on",
+    server = _draining_server(uvicorn.Config(_with_connection_abort(create_app(service)), log_level="warning",
+                                             lifespan="on",
                                              timeout_graceful_shutdown=config.drain_timeout), service)
-    logging.getLogger("uvicorn.error").addFilter(_QuietOnPurposeClose())
     host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
     _say(f"http://{host}:{port}/v1  model {service.model}  variant {selection.name}  "
          f"max batch {config.max_batch_size}  max queue {config.max_queue}  "
@@ -703,6 +698,19 @@ def serve(config: ServeConfig) -> int:
         return 1
     _say("stopped")
     return 0
+
+
+def _with_connection_abort(app: Any) -> Any:
+    """The app, with each HTTP request's scope holding `kiln.abort_connection`: uvicorn's send is a
+    method of the request's cycle, whose transport's abort() closes the connection at once."""
+
+    async def outer(scope: Any, receive: Any, send: Any) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and transport is not None:
+            scope["kiln.abort_connection"] = transport.abort
+        await app(scope, receive, send)
+
+    return outer
 
 
 def _load(service: Service, server: Any) -> None:

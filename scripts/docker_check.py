@@ -72,9 +72,13 @@ def start_engine(root: Path) -> subprocess.Popen | None:
             raise CannotRun("no Docker engine, and no apt-get to install Debian's docker.io")
         say("installing Debian's docker.io")
         env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
-        subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, env=env)
-        subprocess.run(["apt-get", "install", "-y", "-qq", "docker.io", "debootstrap"], check=True,
-                       capture_output=True, env=env)
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a dpkg cut short breaks later installs
+        try:
+            subprocess.run(["apt-get", "update", "-qq"], check=True, capture_output=True, env=env)
+            subprocess.run(["apt-get", "install", "-y", "-qq", "docker.io", "debootstrap"], check=True,
+                           capture_output=True, env=env)
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     root.mkdir(parents=True, exist_ok=True)
     socket = root / "docker.sock"
     os.environ["DOCKER_HOST"] = f"unix://{socket}"
@@ -85,11 +89,16 @@ def start_engine(root: Path) -> subprocess.Popen | None:
     daemon = subprocess.Popen(["dockerd", "--data-root", str(root / "data"), "--exec-root", str(root / "exec"),
                                "--host", f"unix://{socket}", "--pidfile", str(root / "docker.pid")],
                               stdout=log, stderr=log)
-    deadline = time.time() + 60
-    while not engine_answers():
-        if daemon.poll() is not None or time.time() > deadline:
-            raise Failed(f"dockerd did not start; its log: {root / 'dockerd.log'}")
-        time.sleep(0.5)
+    try:
+        deadline = time.time() + 60
+        while not engine_answers():
+            if daemon.poll() is not None or time.time() > deadline:
+                raise Failed(f"dockerd did not start; its log: {root / 'dockerd.log'}")
+            time.sleep(0.5)
+    except BaseException:  # SIGTERM meanwhile too: the daemon is not left behind
+        daemon.terminate()
+        daemon.wait(60)
+        raise
     say(f"started dockerd (data root {root / 'data'}, socket {socket})")
     return daemon
 
@@ -204,12 +213,12 @@ def main() -> int:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     root = Path(os.environ.get("KILN_DOCKER_ROOT", "/var/tmp/kiln-docker"))
     started = time.time()
-    daemon = None
+    daemon = build = None
     try:
         daemon = start_engine(root)
         # Its lines (each step's time and size) as they come: a cold build takes minutes.
         build = subprocess.Popen(["bash", str(ROOT / "scripts" / "docker-build")], cwd=ROOT, text=True,
-                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
         for line in build.stdout:
             print(line, end="", flush=True)
         if build.wait() != 0:
@@ -252,6 +261,9 @@ def main() -> int:
         say(f"FAILED: {failure}")
         return 1
     finally:
+        if build is not None and build.poll() is None:  # stopped early: pip and docker build with it
+            os.killpg(build.pid, signal.SIGTERM)
+            build.wait(60)
         if daemon is not None:
             daemon.terminate()
             daemon.wait(60)

@@ -27,8 +27,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         return
     import tempfile
 
-    log = Path(tempfile.mkstemp(prefix="kiln-docker-check-", suffix=".log")[1])
-    with open(log, "w") as output:
+    descriptor, name = tempfile.mkstemp(prefix="kiln-docker-check-", suffix=".log")
+    log = Path(name)
+    with os.fdopen(descriptor, "w") as output:
         process = subprocess.Popen(["nice", "-n", "10", "bash", str(ROOT / "scripts" / "docker-check")], cwd=ROOT,
                                    stdout=output, stderr=subprocess.STDOUT)
     session.config.stash[DOCKER_CHECK] = (process, log)
