@@ -533,7 +533,7 @@ def test_a_client_that_never_reads_is_aborted_and_closed_while_8_others_stream_o
 def test_a_short_soak_adds_up(serve_artifact, tmp_path):
     """bench/soak.py for half a minute against the tiny artifact: the mix's statuses are the expected
     ones, no 5xx, the sequences and refusals the client saw are what /metrics counts, fds and threads
-    are flat, and the silent client is aborted and closed. (RSS and latency need the real model and
+    are flat, and the silent client ends and is closed. (RSS and latency need the real model and
     minutes, not this: bench/soak.py's own run.)"""
     output = tmp_path / "soak.json"
     done = subprocess.run([sys.executable, str(Path(__file__).parents[2] / "bench" / "soak.py"), "--artifact",
