@@ -151,9 +151,9 @@ def _status(line: bytes) -> int:
     return int(parts[1]) if line.startswith(b"HTTP/1.1 ") and len(parts) > 1 and parts[1].isdigit() else 0
 
 
-async def dropped_stream(port: int, model: str) -> int:
+async def dropped_stream(port: int, model: str, question: str) -> int:
     """A streamed completion the client drops after two chunks; returns the status."""
-    body = json.dumps({"model": model, "prompt": random.choice(QUESTIONS), "max_tokens": 400, "stream": True,
+    body = json.dumps({"model": model, "prompt": question, "max_tokens": 400, "stream": True,
                        "ignore_eos": True, "temperature": 0}).encode()
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
@@ -241,7 +241,7 @@ async def one_request(client, server: ServerProcess, kind: str, rng: random.Rand
     tally.kinds[kind] += 1
     try:
         if kind == "dropped stream":
-            status = await dropped_stream(port, model)
+            status = await dropped_stream(port, model, question)
             _admitted(tally, status, 1)
             return
         if kind == "silent":

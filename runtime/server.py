@@ -9,9 +9,10 @@ continuous-batching Engine.
 The engine steps on a thread of its own, so the event loop only parses, queues and writes: a step
 never blocks a client's connection. A client that goes away (mid-stream or while waiting) aborts
 its request, which frees its rows at the next step. A client that reads a stream slower than it is
-written costs only itself: past --stream-buffer tokens waiting for it, its request is aborted, and a
-connection that takes no bytes for --write-timeout seconds is closed. SIGTERM or Ctrl-C drains: the port closes,
-running requests finish (up to --drain-timeout seconds, then they are aborted), exit 0.
+written costs only itself: past --stream-buffer tokens waiting behind a write stuck on it, its
+request is aborted, and a write that waits --write-timeout seconds for it aborts its connection.
+SIGTERM or Ctrl-C drains: the port closes, running requests finish (up to --drain-timeout seconds,
+then they are aborted), exit 0.
 """
 
 from __future__ import annotations
@@ -80,10 +81,10 @@ class ServeConfig:
     verify: bool = True
     max_tokens_in_flight: int | None = None  # default: what the memory plan says this host holds
     device: str | None = None  # cpu, cuda, cuda:N or auto (runtime/device.py)
-    # A slow or silent client's bounds: tokens its stream may have waiting to be written (then it is
-    # aborted), seconds a write may wait for it (then its connection is closed), and the kernel's send
-    # buffer per connection (without a bound Linux grows it to megabytes, which the client could leave
-    # unread long before the stream buffer ever fills).
+    # A slow or silent client's bounds: tokens per sequence its stream may have waiting behind a stuck
+    # write (then it is aborted), seconds a write may wait for it (then its connection is aborted), and
+    # the kernel's send buffer per connection (without a bound Linux grows it to megabytes, which the
+    # client could leave unread long before the stream buffer ever fills).
     stream_buffer: int = 256
     write_timeout: float = 30.0
     send_buffer_bytes: int | None = 256 * 1024
@@ -254,7 +255,6 @@ class Submission:
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     request_ids: list[str] = field(default_factory=list)
     open_sequences: int = 0
-    sequences: int = 0  # all it asked for: the stream buffer is per sequence
     delivered: int = 0  # events handed over; written by the engine thread alone
     taken: int = 0  # events the reader took; written by the event loop alone
     write_started: float | None = None  # perf_counter when the write in progress began, if one is
@@ -263,12 +263,12 @@ class Submission:
     def add(self, ids: list[int], params: SamplingParams) -> None:
         self.request_ids.append(self.loop.submit(ids, params, self))
         self.open_sequences += params.n
-        self.sequences += params.n
 
     def too_far_behind(self, now: float) -> bool:
+        """Whether more than stream_buffer tokens per sequence wait behind a write that is stuck."""
         started = self.write_started
         return (self.stream_buffer is not None and started is not None and now - started > STUCK_WRITE_S
-                and self.delivered - self.taken > self.stream_buffer * max(1, self.sequences))
+                and self.delivered - self.taken > self.stream_buffer * max(1, self.n * len(self.request_ids)))
 
     def choice_index(self, event: Event) -> int:
         return self.request_ids.index(event.request_id) * self.n + event.sequence
@@ -681,8 +681,8 @@ def serve(config: ServeConfig) -> int:
 
         raise KilnError(f"cannot listen on {config.host}:{config.port}: {exc.strerror}") from None
     port = listener.getsockname()[1]
-    server = _draining_server(uvicorn.Config(_with_connection_abort(create_app(service)), log_level="warning",
-                                             lifespan="on",
+    app = _with_connection_abort(create_app(service))
+    server = _draining_server(uvicorn.Config(app, log_level="warning", lifespan="on",
                                              timeout_graceful_shutdown=config.drain_timeout), service)
     host = f"[{config.host}]" if family == socket.AF_INET6 else config.host
     _say(f"http://{host}:{port}/v1  model {service.model}  variant {selection.name}  "

@@ -147,7 +147,7 @@ def image_facts() -> dict:
     return facts
 
 
-def wait_healthy(port: int, timeout: float = 180) -> float:
+def wait_healthy(timeout: float = 180) -> float:
     started = time.time()
     while time.time() - started < timeout:
         status = docker("inspect", "-f", "{{.State.Health.Status}}", CONTAINER).stdout.strip()
@@ -242,7 +242,7 @@ def main() -> int:
                    "serve", "/models/tiny-docker", "--drain-timeout", "60")
             try:
                 port = int(docker("port", CONTAINER, "8000/tcp").stdout.strip().splitlines()[0].rsplit(":", 1)[1])
-                healthy = wait_healthy(port)
+                healthy = wait_healthy()
                 say(f"serving on 127.0.0.1:{port}, healthy after {healthy:.1f} s")
                 check_answers(port, artifact)
                 say("the openai client's chat and streamed completion equal the runtime's outside Docker")
