@@ -51,6 +51,7 @@ from .openai_api import (
     request_prompts,
     response_body,
     validation_error,
+    with_defaults,
 )
 
 OPENAI, SIMPLE = "openai", "simple"
@@ -299,7 +300,7 @@ class Answerer:
             if not isinstance(body, dict):
                 raise RowError('"body" must be a JSON object: the request, as it would be POSTed to url',
                                "invalid_body", "body")
-            kind, fields = OPENAI_URLS[url], {"model": self.model, **self.defaults, **body}
+            kind, fields = OPENAI_URLS[url], {"model": self.model, **with_defaults(self.defaults, body)}
         else:
             if "custom_id" in obj or "body" in obj:
                 raise RowError("an OpenAI Batch line in a file of simple rows (detected from its first row); "
@@ -312,7 +313,7 @@ class Answerer:
             else:
                 raise RowError('no prompt: give "prompt" (a string) or "messages" (a chat)', "missing_prompt",
                                "prompt")
-            fields = {**self.defaults, **fields, "model": self.model}
+            fields = {**with_defaults(self.defaults, fields), "model": self.model}
         try:
             request = kind.model_validate(fields)
             request.refuse_unsupported()

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import click
 
-from .command import OneLineCommand
+from .command import OneLineCommand, output_format_options
 from .device import DEVICE_HELP
 from .device import checked as device_checked
 from .engine import Result
@@ -105,18 +105,26 @@ def _check_output(output: str | None) -> None:
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Write results as JSONL here, a line each as it finishes (with its prompt's index).")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
+@output_format_options
 def main(artifact, variant, texts, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, min_p,
          repetition_penalty, stop, num_beams, length_penalty, early_stopping, num_return_sequences, seed, batch_size,
-         device, threads, stream, output, no_verify) -> None:
+         device, threads, stream, output, no_verify, json_schema, regex, choice, grammar) -> None:
     """Generate text with a compiled ARTIFACT folder."""
     from .generator import Generator
     from .sampling import SamplingParams
+    from .structured import format_of_options
 
     unwind_on_sigterm()  # what finished is already in --output; say so and exit 143
-    params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
-                            min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
-                            num_beams=num_beams, length_penalty=length_penalty, n=num_return_sequences,
-                            early_stopping={"false": False, "true": True}.get(early_stopping, early_stopping))
+    try:
+        output_format = format_of_options(json_schema, regex, choice, grammar)
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                                min_p=min_p, repetition_penalty=repetition_penalty, seed=seed, stop=tuple(stop),
+                                num_beams=num_beams, length_penalty=length_penalty, n=num_return_sequences,
+                                early_stopping={"false": False, "true": True}.get(early_stopping, early_stopping),
+                                output_format=output_format)
+    except ValueError as exc:
+        click.echo(f"run-model: error: {exc}", err=True)
+        sys.exit(2)
     try:
         prompts = _read_prompts(texts, prompts_file, chat)
         _check_output(output)

@@ -37,3 +37,16 @@ class OneLineCommand(click.Command):
 class OneLineGroup(click.Group):
     def main(self, args: Any = None, prog_name: str | None = None, **extra: Any) -> None:
         _one_line_main(self, super().main, args, prog_name, extra)
+
+
+def output_format_options(command):
+    """--json-schema FILE | --regex R | --choice A,B,C | --grammar FILE, for run-model and kiln batch."""
+    options = (
+        click.option("--json-schema", metavar="FILE", help="Answer JSON that validates against this JSON Schema."),
+        click.option("--regex", metavar="R", help="Answer text that matches this regular expression."),
+        click.option("--choice", metavar="A,B,C", help="Answer exactly one of these comma-separated strings."),
+        click.option("--grammar", metavar="FILE", help="Answer text in this grammar (Lark, or llama.cpp's GBNF)."),
+    )
+    for option in reversed(options):
+        command = option(command)
+    return command

@@ -75,6 +75,7 @@ from .outputs import (
 )
 from .sampling import SamplingParams
 from .scheduler import PrefillGroup, Scheduler, left_padded
+from .structured import Constraints
 from .tokenizer import Tokenizer
 
 __all__ = ["DEFAULT_PARAMS", "Engine", "Event", "Prompt", "Request", "RequestError", "Result", "TokenLogprob",
@@ -111,7 +112,8 @@ class Engine:
         self.scheduler = Scheduler(backend, self.max_context, max_batch_size, max_prefill_tokens, prefill_first,
                                    self.pad_id)
         self.executor = StepExecutor(backend, self.pad_id)
-        self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_context)
+        self.constraints = Constraints(tokenizer, backend.vocab_size, self.eos_ids)
+        self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_context, self.constraints)
         self._lock = threading.Lock()  # add_request and abort may come from other threads than step
         self._inbox: list[Request] = []
         self._aborts: set[Hashable] = set()
@@ -151,6 +153,10 @@ class Engine:
             raise RequestError(f"token ids must be in [0, {vocab})")
         if any(not 0 <= t < vocab for t in params.stop_token_ids):
             raise RequestError(f"stop_token_ids must be in [0, {vocab})")
+        if params.output_format is not None:
+            problem = self.constraints.problem(params.output_format)
+            if problem:
+                raise RequestError(problem)
         return ids
 
     def add_request(self, prompt: Prompt, params: SamplingParams = DEFAULT_PARAMS,
@@ -286,7 +292,9 @@ class Engine:
     def _decode_step(self) -> list[Event]:
         batch = self.running
         self.scheduler.make_room(batch, 1)
+        masks = self.outputs.start_masks(batch.rows)  # computed while the forward pass runs
         logits = self.executor.decode(batch)
+        self.outputs.take_masks(masks)
         self.scheduler.prefilled_since_decode = 0
         events, searches = [], {}
         for i, row in enumerate(batch.rows):

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 
 import click
 
-from .command import OneLineGroup
+from .command import OneLineGroup, output_format_options
 from .device import DEVICE_HELP, Device
 from .device import checked as device_checked
 from .errors import KilnError, interrupted_exit_code, unwind_on_sigterm
@@ -166,10 +166,12 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
               help="Rows read, sorted by length and synced to disk at a time (bounds memory and lost work).")
 @click.option("--model-name", help="The model name in OpenAI response bodies [default: the artifact's name].")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
+@output_format_options
 def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, errors: Path | None, resume: bool,
           batch_size: int, device: str | None, threads: int | None, max_tokens: int | None, temperature: float | None,
           top_p: float | None, top_k: int | None, seed: int | None, ray_address: str | None, workers: int,
-          chunk_rows: int, model_name: str | None, no_verify: bool) -> None:
+          chunk_rows: int, model_name: str | None, no_verify: bool, json_schema: str | None, regex: str | None,
+          choice: str | None, grammar: str | None) -> None:
     """Answer every row of INPUT (JSONL) into OUTPUT (JSONL); rerun the same command to resume.
 
     Rows are OpenAI Batch API lines ({"custom_id", "method", "url", "body"}) or simple ones ({"id",
@@ -183,6 +185,14 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
     defaults = {key: value for key, value in (("max_tokens", max_tokens), ("temperature", temperature),
                                               ("top_p", top_p), ("top_k", top_k), ("seed", seed))
                 if value is not None}
+    from .structured import format_of_options
+
+    try:  # the output format of rows that ask for none
+        output_format = format_of_options(json_schema, regex, choice, grammar)
+    except ValueError as exc:
+        click.echo(f"kiln batch: error: {exc}", err=True)
+        sys.exit(2)
+    defaults.update(output_format.api_fields() if output_format else {})
     config = BatchConfig(artifact, input_file, output, variant, errors, batch_size, threads=threads,
                          chunk_rows=chunk_rows, resume=resume, defaults=defaults, ray=ray_address is not None,
                          ray_address=ray_address or None, workers=workers, verify=not no_verify,

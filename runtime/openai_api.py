@@ -20,9 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import Result, TokenLogprob
 from .manifest import Variant
 from .sampling import MAX_LOGPROBS, SamplingParams
+from .structured import OutputFormat
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+FORMAT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
 
 
 class ApiError(Exception):
@@ -39,6 +41,21 @@ class ApiError(Exception):
 
 class StreamOptions(BaseModel):
     include_usage: bool = False
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", populate_by_name=True)
+
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    # OpenAI's strict mode asks for exactly the schema; constrained decoding always gives exactly that.
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _Common(BaseModel):
@@ -69,6 +86,12 @@ class _Common(BaseModel):
     num_beams: int | None = Field(None, ge=1)
     length_penalty: float = 1.0
     early_stopping: bool | Literal["never"] = False
+    # Structured outputs (runtime/structured.py): OpenAI's response_format, or vLLM's guided_* names.
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
     def refuse_unsupported(self) -> None:
         """Fields Kiln does not implement are refused when they would change the answer, never ignored."""
@@ -80,6 +103,31 @@ class _Common(BaseModel):
 
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
+
+    def output_format(self) -> OutputFormat | None:
+        """The one format the request asks for, or None for free text; ApiError (400) for two at once."""
+        named = [name for name in FORMAT_FIELDS[1:] if getattr(self, name) is not None]
+        response_format = self.response_format
+        if response_format is not None and response_format.type != "text":
+            named.append("response_format")
+        if len(named) > 1:
+            raise ApiError(400, f"give one output format, not {' and '.join(named)}", named[1])
+        if not named:
+            return None
+        if named[0] == "guided_json":
+            return OutputFormat.json_schema(self.guided_json)
+        if named[0] == "guided_regex":
+            return OutputFormat.regex(self.guided_regex)
+        if named[0] == "guided_choice":
+            return OutputFormat.choice(self.guided_choice)
+        if named[0] == "guided_grammar":
+            return OutputFormat.grammar(self.guided_grammar)
+        if response_format.type == "json_object":
+            return OutputFormat.json_object()
+        spec = response_format.json_schema
+        if spec is None or spec.json_schema is None:
+            raise ApiError(400, "response_format of type json_schema needs json_schema.schema", "response_format")
+        return OutputFormat.json_schema(spec.json_schema)
 
     def beam_width(self) -> int:
         if self.num_beams is not None:
@@ -116,7 +164,8 @@ class _Common(BaseModel):
             repetition_penalty=1.0 if chosen["repetition_penalty"] is None else chosen["repetition_penalty"],
             seed=self.seed, stop=tuple(stop), stop_token_ids=tuple(self.stop_token_ids or ()),
             ignore_eos=self.ignore_eos, min_tokens=self.min_tokens, logprobs=self.top_logprobs_wanted(), n=self.n,
-            num_beams=beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping)
+            num_beams=beams, length_penalty=self.length_penalty, early_stopping=self.early_stopping,
+            output_format=self.output_format())
 
 
 class CompletionRequest(_Common):
@@ -188,6 +237,14 @@ class ChatCompletionRequest(_Common):
 
 
 # -- responses ------------------------------------------------------------------------------------
+
+def with_defaults(defaults: dict[str, Any], fields: dict[str, Any]) -> dict[str, Any]:
+    """A request's fields over a job's defaults; a request that asks for an output format of its own
+    drops the default's (whatever its field's name), instead of asking for two."""
+    if any(fields.get(name) is not None for name in FORMAT_FIELDS):
+        defaults = {key: value for key, value in defaults.items() if key not in FORMAT_FIELDS}
+    return {**defaults, **fields}
+
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"

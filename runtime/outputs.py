@@ -1,6 +1,7 @@
 """Output processing, the engine's third part: from a row's logits to the request's events.
 
-    logits row ─> pick (greedy, or the sampler with min_tokens' bans) ─> token
+    logits row ─> the output format's mask (structured.py) ─> pick (greedy, or the sampler with
+              min_tokens' bans) ─> token ─> the format's matcher takes it
               ─> logprobs, stop tokens and eos, incremental detokenization, stop strings, length
               ─> Event (text that can no longer turn into a stop string; the result on the last one)
 
@@ -20,6 +21,7 @@ import numpy as np
 
 from .beam import BeamSearch
 from .sampling import SamplingParams, next_token, token_logprobs
+from .structured import Constraints
 from .tokenizer import IncrementalDecoder, Tokenizer
 
 
@@ -91,6 +93,8 @@ class SequenceState:
     emitted: int = 0  # characters of text already in events
     token: int = 0  # the newest token: fed to the model at the next decode step
     beams: BeamSearch | None = None  # a beam of this search; index is its place among the request's beams
+    matcher: Any = None  # llguidance's state of the output format, made at the first pick
+    allowed: np.ndarray | None = None  # the format's mask for the next pick, computed beside the forward pass
 
     @property
     def params(self) -> SamplingParams:
@@ -108,8 +112,9 @@ def describe(exc: Exception) -> str:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer, eos_ids: set[int], max_context: int) -> None:
+    def __init__(self, tokenizer: Tokenizer, eos_ids: set[int], max_context: int, constraints: Constraints) -> None:
         self.tokenizer, self.eos_ids, self.max_context = tokenizer, eos_ids, max_context
+        self.constraints = constraints
 
     def new_sequence(self, request: Request, index: int) -> SequenceState:
         seed = request.params.seed
@@ -130,16 +135,46 @@ class OutputProcessor:
 
     def _pick(self, sequence: SequenceState, logits: np.ndarray) -> int:
         params, result = sequence.params, sequence.result
+        if params.output_format is not None:
+            logits = self._constrained(sequence, logits)
         if params.plain_greedy:
             return int(np.argmax(logits))
         if result.generated_tokens < params.min_tokens:
-            logits = logits.copy()
             banned = list(params.stop_token_ids) + ([] if params.ignore_eos else list(self.eos_ids))
-            logits[banned] = -np.inf
+            kept = logits.copy()
+            kept[banned] = -np.inf
+            # An output format that can only end here outranks min_tokens: it would otherwise leave no token.
+            logits = kept if np.isfinite(kept).any() else logits
         # The history matters only to the repetition penalty; skip building it otherwise.
         history = np.asarray(sequence.request.prompt + result.token_ids, np.int64) \
             if params.repetition_penalty != 1.0 else np.empty(0, np.int64)
         return next_token(logits, history, params, sequence.rng)
+
+    def _constrained(self, sequence: SequenceState, logits: np.ndarray) -> np.ndarray:
+        """The logits with every token the output format does not allow next at -inf."""
+        if sequence.matcher is None:
+            sequence.matcher = self.constraints.matcher(sequence.params.output_format)
+        allowed, sequence.allowed = sequence.allowed, None
+        if allowed is None:
+            allowed = self.constraints.allowed(sequence.matcher)
+        if not allowed.any():
+            raise ValueError(f"the output format allows no token here ({sequence.matcher.get_error() or 'no error'})")
+        return np.where(allowed, logits, -np.inf)
+
+    def start_masks(self, rows: list[SequenceState | None]) -> tuple[list[SequenceState], Any] | None:
+        """Start computing the format masks of the rows that have one (on the constraint thread), so they
+        are ready when the forward pass that runs meanwhile returns its logits; take_masks collects them."""
+        constrained = [row for row in rows if row is not None and row.matcher is not None]
+        if not constrained:
+            return None
+        return constrained, self.constraints.start([row.matcher for row in constrained])
+
+    @staticmethod
+    def take_masks(pending: tuple[list[SequenceState], Any] | None) -> None:
+        if pending is not None:
+            rows, masks = pending
+            for row, allowed in zip(rows, masks.result(), strict=True):
+                row.allowed = allowed
 
     def _advance(self, sequence: SequenceState, token: int, logits: np.ndarray) -> Event:
         params, result = sequence.params, sequence.result
@@ -152,12 +187,17 @@ class OutputProcessor:
             logprob = TokenLogprob(token, *token_logprobs(logits, token, params.logprobs))
             result.logprobs.append(logprob)
         sequence.token = token
+        matcher = sequence.matcher
+        if matcher is not None and not matcher.consume_token(token):
+            raise ValueError(f"the output format refused token {token}: {matcher.get_error()}")
         may_stop = result.generated_tokens >= params.min_tokens
         finish = None
         if may_stop and token in params.stop_token_ids:
             finish = "stop"
         elif may_stop and token in self.eos_ids and not params.ignore_eos:
             finish = "eos"
+        elif matcher is not None and matcher.is_stopped():  # the format is complete and nothing may follow
+            finish = "stop"
         new_text = sequence.decoder.add(token)
         sequence.text += new_text
         cut = finish is None and may_stop and bool(params.stop) and self._cut_at_stop(sequence, len(new_text))

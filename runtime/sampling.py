@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .structured import OutputFormat
+
 MAX_LOGPROBS = 20  # the most alternatives a token's logprobs list, as the OpenAI API allows
 
 
@@ -32,6 +34,7 @@ class SamplingParams:
     num_beams: int = 1  # > 1: beam search (runtime/beam.py), as transformers' generate(num_beams=...)
     length_penalty: float = 1.0  # beam scores are sum of log-probs / length ** length_penalty
     early_stopping: bool | str = False  # beam search: True, False or "never", as transformers takes it
+    output_format: OutputFormat | None = None  # structured output (runtime/structured.py); None: free text
 
     def problem(self) -> str | None:
         """What is wrong with these values, in one line, or None."""
@@ -64,6 +67,8 @@ class SamplingParams:
             (not self.stop, "stop strings are not supported with beam search; use stop_token_ids"),
             (self.logprobs is None, "logprobs are not supported with beam search"),
             (self.repetition_penalty == 1.0, "repetition_penalty is not supported with beam search"),
+            (self.output_format is None, "structured outputs (response_format, guided_*) are not supported with "
+                                         "beam search"),
         )
         return next((message for ok, message in checks if not ok), None)
 
@@ -79,7 +84,7 @@ class SamplingParams:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to apply to the logits first: the batch's argmax is this row's token."""
-        return self.greedy and self.repetition_penalty == 1.0 and self.min_tokens == 0
+        return self.greedy and self.repetition_penalty == 1.0 and self.min_tokens == 0 and self.output_format is None
 
 
 def apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> np.ndarray:

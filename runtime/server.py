@@ -315,6 +315,8 @@ class Service:
         generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens, prefill_first=False)
         generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
+        # Built now, not by the first request asking for an output format (on the event loop, for 0.3 s).
+        _ = generator.engine.constraints.ll_tokenizer
         self.engine = generator.engine
         self.loop = EngineLoop(self.engine, self.metrics)
         self.loop.start()

@@ -23,6 +23,10 @@ class Tokenizer:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._fast.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def json(self) -> str:
+        """tokenizer.json as the library holds it (llguidance builds its own view of the vocabulary from it)."""
+        return self._fast.to_str()
+
     def decode(self, ids: list[int]) -> str:
         return self._fast.decode(ids, skip_special_tokens=True)
 

@@ -116,6 +116,24 @@ def long_context_llama(folder: Path) -> Path:
     return folder
 
 
+SERVE_MODEL = "tiny-serve"
+
+
+@pytest.fixture(scope="session")
+def serve_artifact(tmp_path_factory) -> Path:
+    """long_context_llama compiled (fp32): a long request decodes for seconds, time enough for a client to
+    disconnect or another to find the queue full while it runs, and room for long structured answers."""
+    from compiler.pipeline import compile_recipe
+
+    root = tmp_path_factory.mktemp("serve")
+    long_context_llama(root / "checkpoint")
+    recipe = root / "serve.yaml"
+    recipe.write_text(f'name: {SERVE_MODEL}\nmodel: {{source: "{root / "checkpoint"}"}}\n'
+                      "export: {opset: 18, max_context: 2048, logits: last}\n"
+                      "variants:\n  - {name: cpu-fp32, target: onnxruntime}\n")
+    return compile_recipe(recipe, root / SERVE_MODEL)
+
+
 def build_tokenizer(folder: Path) -> None:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast

@@ -21,25 +21,8 @@ import pytest
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
 
-from ..conftest import long_context_llama
-
 KEY = "test-key"
 MODEL = "tiny-serve"
-
-
-@pytest.fixture(scope="module")
-def serve_artifact(tmp_path_factory) -> Path:
-    """A tiny Llama with a 2048-token context, so a long request decodes for seconds: time enough for a
-    client to disconnect or another to find the queue full while it runs."""
-    from compiler.pipeline import compile_recipe
-
-    root = tmp_path_factory.mktemp("serve")
-    long_context_llama(root / "checkpoint")
-    recipe = root / "serve.yaml"
-    recipe.write_text(f'name: {MODEL}\nmodel: {{source: "{root / "checkpoint"}"}}\n'
-                      "export: {opset: 18, max_context: 2048, logits: last}\n"
-                      "variants:\n  - {name: cpu-fp32, target: onnxruntime}\n")
-    return compile_recipe(recipe, root / MODEL)
 
 
 class Server:
