@@ -86,6 +86,7 @@ class BatchConfig:
     verify: bool = True
     model_name: str | None = None
     device: str | None = None  # cpu, cuda, cuda:N or auto (runtime/device.py)
+    prefix_cache_mib: float | None = None  # each runtime's (each Ray worker's) own; None: the default, 0: off
 
     @property
     def errors_path(self) -> Path:
@@ -242,7 +243,8 @@ class Answerer:
         model = open_model(config.artifact, config.variant, providers_for(config.device), threads=config.threads,
                            verify=config.verify,
                            max_batch_size=config.max_batch_size, max_prefill_tokens=config.max_prefill_tokens)
-        generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens)
+        generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens,
+                                 prefix_cache_mib=config.prefix_cache_mib)
         return cls(generator, fmt, fingerprint(model.entry), config.model_name, config.defaults, config.chunk_rows)
 
     def answer(self, rows: Iterable[tuple[int | None, str | dict[str, Any]]]) -> Iterator[Answer]:
@@ -395,7 +397,8 @@ def _new_id(prefix: str) -> str:
 
 def run(artifact: str | Path, rows: Iterable[str | dict[str, Any]], *, variant: str | None = None,
         max_batch_size: int = 32, threads: int | None = None, defaults: dict[str, Any] | None = None,
-        chunk_rows: int = 1024, verify: bool = True) -> Iterator[dict[str, Any]]:
+        chunk_rows: int = 1024, verify: bool = True, prefix_cache_mib: float | None = None
+        ) -> Iterator[dict[str, Any]]:
     """Answer rows (dicts or JSON lines, in one format) with the artifact: yields each row's output
     line as `kiln batch` writes it, in the order rows finish; a failed row's line has "error" set.
 
@@ -412,7 +415,7 @@ def run(artifact: str | Path, rows: Iterable[str | dict[str, Any]], *, variant: 
         fmt = SIMPLE
     config = BatchConfig(Path(artifact), input=Path(), output=Path(), variant=variant,  # no files here
                          max_batch_size=max_batch_size, threads=threads, chunk_rows=chunk_rows,
-                         defaults=dict(defaults or {}), verify=verify)
+                         defaults=dict(defaults or {}), verify=verify, prefix_cache_mib=prefix_cache_mib)
     numbered = enumerate(chain([first], rows), 1)
     for answer in Answerer.load(config, fmt).answer(numbered):
         yield answer.record if answer.ok else {**answer.record, "line": answer.line}

@@ -105,10 +105,12 @@ def _check_output(output: str | None) -> None:
 @click.option("--output", type=click.Path(dir_okay=False),
               help="Write results as JSONL here, a line each as it finishes (with its prompt's index).")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
+@click.option("--prefix-cache-mib", type=click.FloatRange(min=0),
+              help="Memory for the KV of prompt prefixes, reused by prompts that begin alike; 0 turns it off.")
 @output_format_options
 def main(artifact, variant, texts, prompts_file, chat, max_new_tokens, temperature, top_k, top_p, min_p,
          repetition_penalty, stop, num_beams, length_penalty, early_stopping, num_return_sequences, seed, batch_size,
-         device, threads, stream, output, no_verify, json_schema, regex, choice, grammar) -> None:
+         device, threads, stream, output, no_verify, prefix_cache_mib, json_schema, regex, choice, grammar) -> None:
     """Generate text with a compiled ARTIFACT folder."""
     from .generator import Generator
     from .sampling import SamplingParams
@@ -129,7 +131,7 @@ def main(artifact, variant, texts, prompts_file, chat, max_new_tokens, temperatu
         prompts = _read_prompts(texts, prompts_file, chat)
         _check_output(output)
         generator = Generator.load(artifact, variant=variant, threads=threads, max_batch_size=batch_size,
-                                   verify=not no_verify, device=device)
+                                   verify=not no_verify, device=device, prefix_cache_mib=prefix_cache_mib)
     except KilnError as exc:
         click.echo(f"run-model: error: {exc}", err=True)
         sys.exit(2)

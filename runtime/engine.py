@@ -73,6 +73,7 @@ from .outputs import (
     describe,
     reported,
 )
+from .prefix_cache import PrefixCache
 from .sampling import SamplingParams
 from .scheduler import PrefillGroup, Scheduler, left_padded
 from .structured import Constraints
@@ -102,7 +103,9 @@ class Engine:
 
     def __init__(self, backend: Backend, tokenizer: Tokenizer, eos_ids: set[int], max_context: int,
                  max_batch_size: int = 32, max_prefill_tokens: int = 512, pad_id: int | None = None,
-                 prefill_first: bool = False) -> None:
+                 prefill_first: bool = False, prefix_cache_bytes: int = 0) -> None:
+        """prefix_cache_bytes: the prefix cache's budget (prefix_cache.py); 0, or a backend whose slots stay
+        on its device, turns it off."""
         self.backend, self.tokenizer = backend, tokenizer
         limits = backend.limits
         self.max_context = min(max_context, limits.max_context or max_context)
@@ -111,6 +114,8 @@ class Engine:
         self.pad_id = min(self.eos_ids, default=0) if pad_id is None else pad_id  # any valid id: pads are masked
         self.scheduler = Scheduler(backend, self.max_context, max_batch_size, max_prefill_tokens, prefill_first,
                                    self.pad_id)
+        if prefix_cache_bytes > 0 and limits.host_slots:
+            self.scheduler.prefix_cache = PrefixCache(prefix_cache_bytes)
         self.executor = StepExecutor(backend, self.pad_id)
         self.constraints = Constraints(tokenizer, backend.vocab_size, self.eos_ids)
         self.outputs = OutputProcessor(tokenizer, self.eos_ids, self.max_context, self.constraints)
@@ -186,9 +191,10 @@ class Engine:
             inbox = len(self._inbox)
         prefilling = sum(r.params.rows for r in prefill.requests) if prefill else 0
         slots = (batch.cache.capacity or batch.width) if batch else 0
+        prefix = self.scheduler.prefix_cache
         return {"running": self.scheduler.live_rows() + prefilling, "waiting": len(self.waiting) + inbox,
                 "batch_rows": rows, "kv_slots_used": int(batch.lengths.sum()) if batch else 0,
-                "kv_slots_allocated": rows * slots}
+                "kv_slots_allocated": rows * slots, **(prefix.stats() if prefix else {})}
 
     # -- the step --------------------------------------------------------------------------------
 
@@ -261,6 +267,7 @@ class Engine:
         if prefill.fed < width:
             return []
         self.prefill = None
+        self.scheduler.remember(prefill)
         return self._first_tokens(prefill, logits)
 
     def _first_tokens(self, prefill: PrefillGroup, logits: np.ndarray) -> list[Event]:

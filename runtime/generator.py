@@ -16,7 +16,9 @@ from typing import Any
 from .artifact import Artifact
 from .device import providers_for
 from .engine import DEFAULT_PARAMS, Engine, Event, Prompt, RequestError, Result, left_padded
+from .memory import MIB, free_host_memory
 from .model import Model, open_model
+from .prefix_cache import default_budget
 from .sampling import SamplingParams
 from .tokenizer import Tokenizer
 
@@ -27,26 +29,33 @@ Params = SamplingParams | Sequence[SamplingParams]  # one for all requests, or o
 
 class Generator:
     def __init__(self, artifact: Artifact, backend: Any, tokenizer: Tokenizer, max_batch_size: int = 32,
-                 max_prefill_tokens: int = 512, prefill_first: bool = True) -> None:
-        """prefill_first: the engine's policy for bulk calls (Engine.prefill_first); a server passes False."""
+                 max_prefill_tokens: int = 512, prefill_first: bool = True, prefix_cache_mib: float | None = None
+                 ) -> None:
+        """prefill_first: the engine's policy for bulk calls (Engine.prefill_first); a server passes False.
+        prefix_cache_mib: the prefix cache's budget (runtime/prefix_cache.py); None: its default, 0: off."""
         self.artifact, self.backend, self.tokenizer = artifact, backend, tokenizer
-        self.engine = Engine(backend, tokenizer, eos_ids(artifact), artifact.manifest.model.max_context,
-                             max_batch_size, max_prefill_tokens, prefill_first=prefill_first)
+        max_context = artifact.manifest.model.max_context
+        self.engine = Engine(backend, tokenizer, eos_ids(artifact), max_context, max_batch_size, max_prefill_tokens,
+                             prefill_first=prefill_first,
+                             prefix_cache_bytes=prefix_cache_bytes(backend, prefix_cache_mib, max_batch_size,
+                                                                   max_context))
 
     @classmethod
     def load(cls, artifact_dir: str | Path, variant: str | None = None, providers: list[Any] | None = None,
              threads: int | None = None, max_batch_size: int = 32, verify: bool = True,
-             max_prefill_tokens: int = 512, device: str | None = None) -> Generator:
+             max_prefill_tokens: int = 512, device: str | None = None, prefix_cache_mib: float | None = None
+             ) -> Generator:
         """`device`: cpu, cuda, cuda:N or auto (runtime/device.py); else `providers`, ONNX Runtime's, as given."""
         model = open_model(artifact_dir, variant, providers_for(device, providers), threads, verify, max_batch_size,
                            max_prefill_tokens)
-        return cls.of(model, max_batch_size, max_prefill_tokens)
+        return cls.of(model, max_batch_size, max_prefill_tokens, prefix_cache_mib=prefix_cache_mib)
 
     @classmethod
     def of(cls, model: Model, max_batch_size: int = 32, max_prefill_tokens: int = 512,
-           prefill_first: bool = True) -> Generator:
+           prefill_first: bool = True, prefix_cache_mib: float | None = None) -> Generator:
         """A generator over a model opened by runtime/model.py."""
-        return cls(model.artifact, model.backend, model.tokenizer, max_batch_size, max_prefill_tokens, prefill_first)
+        return cls(model.artifact, model.backend, model.tokenizer, max_batch_size, max_prefill_tokens, prefill_first,
+                   prefix_cache_mib)
 
     @property
     def max_context(self) -> int:
@@ -105,6 +114,15 @@ class Generator:
     def warmup(self) -> None:
         """A prefill and a decode step, so the first real request pays for neither."""
         self.generate([[self.pad_id] * 4], SamplingParams(max_new_tokens=2, ignore_eos=True))
+        prefix = self.engine.scheduler.prefix_cache
+        if prefix is not None:  # not a request: the counters are the requests'
+            prefix.queries = prefix.hits = 0
+
+
+def prefix_cache_bytes(backend: Any, mib: float | None, max_batch_size: int, max_context: int) -> int:
+    if mib is not None:
+        return int(mib * MIB)
+    return default_budget(backend, max_batch_size, max_context, free_host_memory())
 
 
 def eos_ids(artifact: Artifact) -> set[int]:

@@ -94,6 +94,9 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 @click.option("--max-tokens-in-flight", type=click.IntRange(min=1),
               help="KV slots the running requests may reserve (prompt + max_tokens each); more wait in the queue "
                    "[default: what this host's free memory holds, from the memory plan (kiln plan)].")
+@click.option("--prefix-cache-mib", type=click.FloatRange(min=0),
+              help="Memory for the KV of prompt prefixes, reused by prompts that begin alike; 0 turns it off "
+                   "[default: a quarter of the batch at the max context, at most 1/8 of free memory].")
 @click.option("--api-key", envvar="KILN_API_KEY",
               help="Require 'Authorization: Bearer KEY' on /v1 routes (or set KILN_API_KEY).")
 @click.option("--model-name", help="The model id clients send [default: the artifact's name].")
@@ -112,7 +115,7 @@ _forward("run", "runtime.cli", "main", "Generate with an artifact (run-model).")
 def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_size: int, max_queue: int,
           max_prefill_tokens: int, device: str | None, threads: int | None, max_tokens_in_flight: int | None,
           api_key: str | None, model_name: str | None, drain_timeout: float, stream_buffer: int,
-          write_timeout: float, send_buffer: int, no_verify: bool) -> None:
+          write_timeout: float, send_buffer: int, prefix_cache_mib: float | None, no_verify: bool) -> None:
     """Serve ARTIFACT over the OpenAI API: POST /v1/completions and /v1/chat/completions (streaming or
     not), GET /v1/models, /health and /metrics (Prometheus). Concurrent requests share the model:
     a request that arrives while others decode joins the running batch at the next step.
@@ -127,7 +130,7 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
         sys.exit(2)
     config = ServeConfig(artifact, variant, host, port, max_batch_size, max_queue, max_prefill_tokens, threads,
                          api_key, model_name, drain_timeout, not no_verify, max_tokens_in_flight, device,
-                         stream_buffer, write_timeout, send_buffer or None)
+                         stream_buffer, write_timeout, send_buffer or None, prefix_cache_mib)
     try:
         code = run_server(config)
     except KilnError as exc:
@@ -165,13 +168,17 @@ def serve(artifact: Path, variant: str | None, host: str, port: int, max_batch_s
 @click.option("--chunk-rows", default=1024, show_default=True, type=click.IntRange(min=1),
               help="Rows read, sorted by length and synced to disk at a time (bounds memory and lost work).")
 @click.option("--model-name", help="The model name in OpenAI response bodies [default: the artifact's name].")
+@click.option("--prefix-cache-mib", type=click.FloatRange(min=0),
+              help="Memory for the KV of prompt prefixes (each worker's own), reused by rows that begin alike; "
+                   "0 turns it off [default: a quarter of the batch at the max context, at most 1/8 of free "
+                   "memory].")
 @click.option("--no-verify", is_flag=True, help="Skip the sha256 check of the artifact (trusted hosts only).")
 @output_format_options
 def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, errors: Path | None, resume: bool,
           batch_size: int, device: str | None, threads: int | None, max_tokens: int | None, temperature: float | None,
           top_p: float | None, top_k: int | None, seed: int | None, ray_address: str | None, workers: int,
           chunk_rows: int, model_name: str | None, no_verify: bool, json_schema: str | None, regex: str | None,
-          choice: str | None, grammar: str | None) -> None:
+          choice: str | None, grammar: str | None, prefix_cache_mib: float | None) -> None:
     """Answer every row of INPUT (JSONL) into OUTPUT (JSONL); rerun the same command to resume.
 
     Rows are OpenAI Batch API lines ({"custom_id", "method", "url", "body"}) or simple ones ({"id",
@@ -196,7 +203,7 @@ def batch(artifact: Path, input_file: Path, output: Path, variant: str | None, e
     config = BatchConfig(artifact, input_file, output, variant, errors, batch_size, threads=threads,
                          chunk_rows=chunk_rows, resume=resume, defaults=defaults, ray=ray_address is not None,
                          ray_address=ray_address or None, workers=workers, verify=not no_verify,
-                         model_name=model_name, device=device)
+                         model_name=model_name, device=device, prefix_cache_mib=prefix_cache_mib)
     unwind_on_sigterm()  # as Ctrl-C: what finished is synced first
     try:
         summary = run_job(config)
@@ -263,7 +270,8 @@ def plan(artifact: Path | None, variant: str | None, config_file: Path | None, d
         else:
             budget, source = planner.free_host_memory(), "free on this host (MemAvailable)"
         facts = planner.report(interface, measured, weights, batch, context or max_context, max_context,
-                               prefill_tokens, budget, source, weights_source)
+                               prefill_tokens, budget, source, weights_source,
+                               prefix_cache_bytes=0 if on_gpu or on_device.kind == "cuda" else None)
     except (KilnError, ValueError) as exc:
         click.echo(f"kiln plan: error: {exc}", err=True)
         sys.exit(2)

@@ -1,6 +1,6 @@
 """Will it fit? The memory a variant needs at a batch size and context, known before anything loads.
 
-    peak = baseline + weights + activations + KV cache
+    peak = baseline + weights + activations + KV cache + prefix cache
       baseline     the process with the runtime imported (Python, numpy, onnxruntime, tokenizers)
       weights      what creating the ONNX Runtime session adds (initializers and their pre-packed forms)
       activations  the largest step's intermediate tensors: a = per_token x tokens + per_pair x
@@ -12,6 +12,8 @@
                    cache (growth, a join that adds rows, a compaction) lets go of each source array
                    once copied (backend.rows_of), and the bound a batch is sized by counts the cache
                    twice in either form: a margin for that copy and the pages the allocator keeps
+
+The prefix cache (runtime/prefix_cache.py) holds prompt prefixes' KV up to its budget, counted whole.
 
 The first three are measured once at compile time, on the variant itself, in a fresh process
 (`measure`, run as `python -m runtime.memory`), and stored in the manifest as the variant's `memory`;
@@ -86,13 +88,14 @@ class Plan:
     peak_bytes: int  # baseline + weights + activations + kv
     bound_bytes: int  # the same with a whole-cache copy in flight: what a batch is sized by
     measured: bool  # False: weights are the files' size and activations unknown (no measurement)
+    prefix_cache_bytes: int = 0  # the prefix cache's budget, counted whole in the peak and the bound
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
 
 
 def plan(interface: Interface, memory: dict[str, Any] | None, batch: int, context: int,
-         prefill_tokens: int = 512, weights_file_bytes: int = 0) -> Plan:
+         prefill_tokens: int = 512, weights_file_bytes: int = 0, prefix_cache_bytes: int = 0) -> Plan:
     """The memory of `batch` sequences at `context` tokens each, prefill steps of `prefill_tokens`."""
     shapes = Shapes.of(interface)
     facts = Measured(**memory) if memory else Measured(0, weights_file_bytes, 0.0, 0.0)
@@ -102,24 +105,25 @@ def plan(interface: Interface, memory: dict[str, Any] | None, batch: int, contex
     tokens = min(prefill_tokens, context)
     activations = max(facts.activation_bytes_per_token * tokens + facts.activation_bytes_per_pair * tokens * slots,
                       (facts.activation_bytes_per_token + facts.activation_bytes_per_pair * slots) * batch)
-    base = facts.baseline_bytes + facts.weights_bytes + int(activations)
+    base = facts.baseline_bytes + facts.weights_bytes + int(activations) + prefix_cache_bytes
     return Plan(batch, context, tokens, shapes.kv_bytes_per_token, kv_sequence, facts.baseline_bytes,
                 facts.weights_bytes, int(activations), held * batch * kv_sequence, base + held * batch * kv_sequence,
-                base + 2 * batch * kv_sequence, memory is not None)
+                base + 2 * batch * kv_sequence, memory is not None, prefix_cache_bytes)
 
 
 def largest_batch(interface: Interface, memory: dict[str, Any] | None, budget: int, context: int,
-                  prefill_tokens: int = 512, weights_file_bytes: int = 0) -> int:
+                  prefill_tokens: int = 512, weights_file_bytes: int = 0, prefix_cache_bytes: int = 0) -> int:
     """The most sequences at `context` whose bound fits `budget` (0: not even one)."""
-    return _largest(lambda batch: plan(interface, memory, batch, context, prefill_tokens,
-                                       weights_file_bytes).bound_bytes <= budget, 1 << 20)
+    return _largest(lambda batch: plan(interface, memory, batch, context, prefill_tokens, weights_file_bytes,
+                                       prefix_cache_bytes).bound_bytes <= budget, 1 << 20)
 
 
 def largest_context(interface: Interface, memory: dict[str, Any] | None, budget: int, batch: int,
-                    max_context: int, prefill_tokens: int = 512, weights_file_bytes: int = 0) -> int:
+                    max_context: int, prefill_tokens: int = 512, weights_file_bytes: int = 0,
+                    prefix_cache_bytes: int = 0) -> int:
     """The longest context (up to max_context) at which `batch` sequences fit `budget` (0: none)."""
-    return _largest(lambda context: plan(interface, memory, batch, context, prefill_tokens,
-                                         weights_file_bytes).bound_bytes <= budget, max_context)
+    return _largest(lambda context: plan(interface, memory, batch, context, prefill_tokens, weights_file_bytes,
+                                         prefix_cache_bytes).bound_bytes <= budget, max_context)
 
 
 def _largest(fits: Any, high: int) -> int:
@@ -132,13 +136,14 @@ def _largest(fits: Any, high: int) -> int:
 
 
 def variant_plan(manifest: Manifest, entry: Variant, batch: int, context: int | None = None,
-                 prefill_tokens: int = 512, providers: list[str] | None = None) -> Plan:
+                 prefill_tokens: int = 512, providers: list[str] | None = None, prefix_cache_bytes: int = 0) -> Plan:
     """plan() for a variant of an artifact: its measured memory, or its files' size where it has none; its
     KV cache as the graph this host runs holds it (Kiln's CPU kernels' may be fp16)."""
     from .backends.registry import served_interface
 
     return plan(served_interface(entry, providers), entry.memory, batch,
-                context or manifest.model.max_context, prefill_tokens, variant_file_bytes(manifest, entry))
+                context or manifest.model.max_context, prefill_tokens, variant_file_bytes(manifest, entry),
+                prefix_cache_bytes)
 
 
 def variant_file_bytes(manifest: Manifest, entry: Variant) -> int:
@@ -165,6 +170,13 @@ def require_fit(manifest: Manifest, entry: Variant, max_batch_size: int,
         raise IncompatibleArtifact(f"memory: {describe(planned, budget)}; at most {most} sequences at context "
                                    f"{planned.context} fit: lower the batch size (kiln plan shows the numbers)")
     return planned
+
+
+def prefix_cache_default(kv_bytes_per_token: int, max_batch_size: int, max_context: int, free_bytes: int) -> int:
+    """The prefix cache's budget where none is given (runtime/prefix_cache.py): the KV of a quarter of the
+    batch's rows at the max context (a system prompt or a job's instruction is a small part of that), at
+    most an eighth of the host's free memory."""
+    return int(min(kv_bytes_per_token * max_context * max(1, max_batch_size // 4), free_bytes // 8))
 
 
 def tokens_in_flight(planned: Plan, budget: int) -> int:
@@ -201,18 +213,22 @@ def config_interface(config: dict[str, Any], dtype: str) -> tuple[Interface, int
 
 def report(interface: Interface, memory: dict[str, Any] | None, weights_file_bytes: int, batch: int,
            context: int, max_context: int, prefill_tokens: int, budget: int, budget_source: str,
-           weights_source: str = "the files' size") -> dict[str, Any]:
-    """Everything `kiln plan` prints: the plan at batch x context, and what fits the budget."""
-    planned = plan(interface, memory, batch, context, prefill_tokens, weights_file_bytes)
+           weights_source: str = "the files' size", prefix_cache_bytes: int | None = None) -> dict[str, Any]:
+    """Everything `kiln plan` prints: the plan at batch x context, and what fits the budget. The prefix
+    cache's budget is its default for this batch where None is given (0: off, or a GPU's memory)."""
     shapes = Shapes.of(interface)
+    if prefix_cache_bytes is None:
+        prefix_cache_bytes = prefix_cache_default(shapes.kv_bytes_per_token, batch, max_context, budget)
+    planned = plan(interface, memory, batch, context, prefill_tokens, weights_file_bytes, prefix_cache_bytes)
     return {**planned.to_json(), "budget_bytes": budget, "budget_source": budget_source,
             "weights_source": "measured at compile time" if memory else weights_source,
             "fits": planned.bound_bytes <= budget, "kv_form": "shared buffers" if shapes.shared_buffers else
             "past in, present out", "kv_formula": f"2 x {shapes.layers} layers x {shapes.kv_heads} kv heads x "
                                                  f"{shapes.head_dim} x {shapes.kv_dtype_bytes} bytes",
-            "largest_batch": largest_batch(interface, memory, budget, context, prefill_tokens, weights_file_bytes),
+            "largest_batch": largest_batch(interface, memory, budget, context, prefill_tokens, weights_file_bytes,
+                                           prefix_cache_bytes),
             "largest_context": largest_context(interface, memory, budget, batch, max_context, prefill_tokens,
-                                               weights_file_bytes), "max_context": max_context}
+                                               weights_file_bytes, prefix_cache_bytes), "max_context": max_context}
 
 
 def render(facts: dict[str, Any], title: str) -> str:
@@ -225,6 +241,7 @@ def render(facts: dict[str, Any], title: str) -> str:
         ("KV cache a sequence", _size(facts["kv_bytes_per_sequence"]), f"at context {facts['context']}"),
         ("activations", _size(facts["activation_bytes"]), f"prefill of {facts['prefill_tokens']} tokens"
          if facts["measured"] else "not measured: compile the model to measure them (and the baseline)"),
+        ("prefix cache", _size(facts["prefix_cache_bytes"]), "its budget (kiln serve --prefix-cache-mib)"),
         (f"batch {facts['batch']} x context {facts['context']}", _size(facts["peak_bytes"]),
          f"decoding, KV held as {facts['kv_form']}"),
         ("  with a whole-cache copy", _size(facts["bound_bytes"]), "the bound a batch is sized by"),

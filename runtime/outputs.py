@@ -42,6 +42,7 @@ class Result:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str = ""  # eos | stop | length | abort | error
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (not prefilled)
     generated_tokens: int = 0
     error: str | None = None
     time_to_first_token_s: float | None = None
@@ -78,6 +79,8 @@ class Request:
     params: SamplingParams
     arrival: float
     admitted: float | None = None  # when its prefill started
+    prefix_keys: list[bytes] | None = None  # its prompt's block keys, where a prefix cache is on
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
 
 @dataclass
@@ -121,8 +124,9 @@ class OutputProcessor:
         seed = None if seed is None else seed % 2**64  # any integer the API allows, negative ones too
         rng = None if request.params.greedy else np.random.default_rng(seed if index == 0 or seed is None
                                                                         else [seed, index])
-        result = Result(prompt_tokens=len(request.prompt), logprobs=[] if request.params.logprobs is not None
-                        else None, queue_s=(request.admitted or request.arrival) - request.arrival)
+        result = Result(prompt_tokens=len(request.prompt), cached_tokens=request.cached_tokens,
+                        logprobs=[] if request.params.logprobs is not None else None,
+                        queue_s=(request.admitted or request.arrival) - request.arrival)
         return SequenceState(request, index, rng, IncrementalDecoder(self.tokenizer, request.prompt), result)
 
     def next_event(self, sequence: SequenceState, logits: np.ndarray) -> Event:

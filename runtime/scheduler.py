@@ -26,6 +26,7 @@ import numpy as np
 
 from .backends.base import Backend
 from .outputs import Request, SequenceState
+from .prefix_cache import PrefixCache, block_keys
 
 MIN_GROWTH = 64  # shared buffers grow by at least this many slots, and by half their width
 # Free rows are compacted away only after this many steps without a join: under load a finished
@@ -95,6 +96,8 @@ class Scheduler:
         # KV slots the running sequences may grow to, at most (kiln serve sets it from the memory plan):
         # a request waits while admitting it could take the cache past it. None: rows are the only bound.
         self.max_tokens_in_flight: int | None = None
+        # Prompt prefixes' KV kept in blocks (prefix_cache.py); None: off, or a backend that cannot copy slots.
+        self.prefix_cache: PrefixCache | None = None
         self.waiting: deque[Request] = deque()
         self.prefill: PrefillGroup | None = None
         self.running: Batch | None = None
@@ -124,7 +127,8 @@ class Scheduler:
 
     def admit(self) -> bool:
         """Move waiting requests into a new prefill group: as many rows as are free, first come first
-        served, within the prefill token budget (counted with padding), at least one request."""
+        served, within the prefill token budget (counted with padding), at least one request. A request
+        whose prompt begins with blocks the prefix cache holds is a group of its own, fed from there."""
         room = self.max_batch_size - self.live_rows()
         reserved = self._reserved()
         group, rows, width = [], 0, 0
@@ -132,18 +136,26 @@ class Scheduler:
             wider = max(width, len(request.prompt))
             if rows + request.params.rows > room or (group and (len(group) + 1) * wider > self.max_prefill_tokens):
                 break
+            if group and self._prefix_waits(request, group):
+                break
             reserved += request.params.rows * self._reach(request)
             if (group or self.live_rows()) and self.max_tokens_in_flight is not None \
                     and reserved > self.max_tokens_in_flight:
                 break
             group.append(request)
             rows, width = rows + request.params.rows, wider
+            if self._cached_blocks(request):
+                break
         if not group:
             return False
         now = time.perf_counter()
         for request in group:
             request.admitted = now
         ids, _ = left_padded([r.prompt for r in group], self.pad_id)
+        if self.prefix_cache is not None:
+            cached = [self.prefix_cache.take(r.prefix_keys, len(r.prompt), use=len(group) == 1) for r in group]
+            if cached[0] is not None:
+                return self._admit_cached(group[0], ids, cached[0])
         cache = None  # chosen at its first step (prefill_cache)
         if not self._fills_in_place(group, width):
             cache = self.backend.new_cache(len(group), self._capacity(width))
@@ -155,6 +167,48 @@ class Scheduler:
             self.waiting.popleft()
         self.prefill = PrefillGroup(group, ids, Batch(cache, [None] * len(group), np.zeros(len(group), np.int64)))
         return True
+
+    def _cached_blocks(self, request: Request) -> int:
+        """The prompt's first blocks the prefix cache holds and would give it (0 where it is off)."""
+        if self.prefix_cache is None:
+            return 0
+        if request.prefix_keys is None:
+            request.prefix_keys = block_keys(request.prompt, self.prefix_cache.block_tokens)
+        return self.prefix_cache.usable(request.prefix_keys, len(request.prompt))
+
+    def _prefix_waits(self, request: Request, group: list[Request]) -> bool:
+        """Whether a request is better left for a later group: it has cached blocks (it runs alone, from
+        them), or it begins with a block of a prompt in this group, which it will find cached then
+        (requests of a burst with one system prompt: the first is prefilled, the rest reuse it)."""
+        if self.prefix_cache is None:
+            return False
+        if self._cached_blocks(request):
+            return True
+        if len(request.prompt) <= self.prefix_cache.block_tokens:  # no block of its own to reuse
+            return False
+        return any(member.prefix_keys and member.prefix_keys[0] == request.prefix_keys[0] for member in group)
+
+    def _admit_cached(self, request: Request, ids: np.ndarray, slots: list[np.ndarray]) -> bool:
+        """The request's prefill group, fed from its cached prefix on: a cache of its own holds the
+        prefix's slots, as if those prompt columns had run."""
+        fed = slots[0].shape[1]
+        cache = self.backend.cache_of([slots], self._capacity(len(request.prompt)))
+        request.cached_tokens = fed
+        self.waiting.popleft()
+        self.prefill = PrefillGroup([request], ids, Batch(cache, [None], np.array([fed], np.int64)), fed=fed)
+        return True
+
+    def remember(self, prefill: PrefillGroup) -> None:
+        """Keep the blocks of the group's prompts in the prefix cache, now that their KV is complete."""
+        if self.prefix_cache is None:
+            return
+        cache = prefill.batch.cache
+        for row, request in enumerate(prefill.requests):
+            if request.id in prefill.aborted or not request.prefix_keys:
+                continue
+            length = int(prefill.batch.lengths[row])
+            self.prefix_cache.keep(request.prefix_keys, lambda start, stop, row=row, length=length:
+                                   self.backend.slots_of(cache, row, length, start, stop))
 
     def _reach(self, request: Request) -> int:
         """The most KV slots one of the request's sequences can come to hold."""

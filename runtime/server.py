@@ -88,6 +88,7 @@ class ServeConfig:
     stream_buffer: int = 256
     write_timeout: float = 30.0
     send_buffer_bytes: int | None = 256 * 1024
+    prefix_cache_mib: float | None = None  # the prefix cache's budget; default: memory.prefix_cache_default, 0: off
 
 
 class Metrics:
@@ -113,6 +114,10 @@ class Metrics:
         self.batch_size = gauge("batch_size", "Rows in the running batch, free rows included.")
         self.kv_used = gauge("kv_cache_slots_used", "KV cache slots holding a running sequence's tokens.")
         self.kv_allocated = gauge("kv_cache_slots_allocated", "KV cache slots allocated (rows x slots per row).")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens found in the prefix cache (not prefilled).")
+        self.prefix_bytes = gauge("prefix_cache_bytes", "Bytes of KV the prefix cache holds.")
+        self.prefix_counted = {"prefix_cache_queries": 0, "prefix_cache_hits": 0}
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of the requests admitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.finished = Counter("kiln:request_success", "Sequences finished, by finish reason.",
@@ -136,6 +141,12 @@ class Metrics:
         self.batch_size.set(stats["batch_rows"])
         self.kv_used.set(stats["kv_slots_used"])
         self.kv_allocated.set(stats["kv_slots_allocated"])
+        self.prefix_bytes.set(stats.get("prefix_cache_bytes", 0))
+        for counter, key in ((self.prefix_queries, "prefix_cache_queries"), (self.prefix_hits, "prefix_cache_hits")):
+            total = stats.get(key, 0)  # the engine's running totals, as counters
+            if total > self.prefix_counted[key]:
+                counter.inc(total - self.prefix_counted[key])
+                self.prefix_counted[key] = total
 
     def finish(self, result: Result, reason: str) -> None:
         self.finished.labels(self.model, FINISH_REASONS[reason]).inc()
@@ -312,7 +323,8 @@ class Service:
         config = self.config
         model = self.selection.open(config.threads)
         # the prefill budget between decode steps holds: running requests keep streaming under a burst
-        generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens, prefill_first=False)
+        generator = Generator.of(model, config.max_batch_size, config.max_prefill_tokens, prefill_first=False,
+                                 prefix_cache_mib=config.prefix_cache_mib)
         generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
         # Built now, not by the first request asking for an output format (on the event loop, for 0.3 s).
@@ -645,15 +657,19 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
         submission.close()
 
 
-def admission_budget(manifest: Manifest, entry: Variant, config: ServeConfig) -> int | None:
-    """KV slots the running requests may reserve, from the memory plan and this host's free memory;
-    refuses (IncompatibleArtifact) a host that cannot hold even one sequence at the max context."""
-    from .memory import free_host_memory, require_fit, tokens_in_flight
+def memory_budgets(manifest: Manifest, entry: Variant, config: ServeConfig) -> tuple[int | None, float]:
+    """KV slots the running requests may reserve, and the prefix cache's MiB, from the memory plan and
+    this host's free memory: the prefix cache's share is not the running requests'. Refuses
+    (IncompatibleArtifact) a host that cannot hold even one sequence at the max context."""
+    from .memory import MIB, free_host_memory, prefix_cache_default, require_fit, tokens_in_flight
 
     one = require_fit(manifest, entry, 1, providers_for(config.device), prefill_tokens=config.max_prefill_tokens)
-    if one is None:  # an engine's memory is the GPU's: bounded by its profiles instead
-        return None
-    return tokens_in_flight(one, free_host_memory() + one.baseline_bytes)
+    if one is None:  # an engine's memory is the GPU's: bounded by its profiles instead (no prefix cache)
+        return None, 0
+    free = free_host_memory()
+    prefix_mib = config.prefix_cache_mib if config.prefix_cache_mib is not None else prefix_cache_default(
+        one.kv_bytes_per_token, config.max_batch_size, manifest.model.max_context, free) / MIB
+    return tokens_in_flight(one, free + one.baseline_bytes - int(prefix_mib * MIB)), prefix_mib
 
 
 def serve(config: ServeConfig) -> int:
@@ -666,9 +682,9 @@ def serve(config: ServeConfig) -> int:
     from .model import select_variant
 
     selection = select_variant(config.artifact, config.variant, providers_for(config.device), verify=config.verify)
-    if config.max_tokens_in_flight is None:
-        budget = admission_budget(selection.artifact.manifest, selection.entry, config)
-        config = dataclasses.replace(config, max_tokens_in_flight=budget)
+    if config.max_tokens_in_flight is None:  # else the generator sizes a default prefix cache itself
+        budget, prefix_mib = memory_budgets(selection.artifact.manifest, selection.entry, config)
+        config = dataclasses.replace(config, max_tokens_in_flight=budget, prefix_cache_mib=prefix_mib)
     service = Service(config, selection)
     family = socket.AF_INET6 if ":" in config.host else socket.AF_INET
     listener = socket.socket(family, socket.SOCK_STREAM)
@@ -691,6 +707,7 @@ def serve(config: ServeConfig) -> int:
          f"max batch {config.max_batch_size}  max queue {config.max_queue}  "
          f"prefill budget {config.max_prefill_tokens} tokens/step  "
          + (f"KV slots in flight {config.max_tokens_in_flight:,}  " if config.max_tokens_in_flight else "")
+         + (f"prefix cache {config.prefix_cache_mib:,.0f} MiB  " if config.prefix_cache_mib is not None else "")
          + f"max context {selection.artifact.manifest.model.max_context}  "
          f"threads {config.threads or 'all cores'}  api key {'required' if config.api_key else 'not required'}")
     loader = threading.Thread(target=_load, args=(service, server), name="kiln-load", daemon=True)

@@ -52,6 +52,9 @@ class Limits:
     # Whether a first prompt can run straight into free rows of a running batch's cache (view_rows): rows
     # stored from slot 0 of shared buffers, so where a row sits and how wide the batch is change nothing.
     rows_in_place: bool = False
+    # Whether a row's slots can be copied out to the host and a cache made from them (slots_of, cache_of):
+    # what the prefix cache needs (runtime/prefix_cache.py).
+    host_slots: bool = False
 
 
 @runtime_checkable
@@ -68,6 +71,10 @@ class Backend(Protocol):
     def write_rows(self, cache: Any, rows: Sequence[int], source: Any, source_rows: Sequence[int]) -> Any: ...
 
     def view_rows(self, cache: Any, first: int, count: int) -> Any | None: ...
+
+    def slots_of(self, cache: Any, row: int, length: int, start: int, stop: int) -> list[np.ndarray]: ...
+
+    def cache_of(self, slots: list[list[np.ndarray]], capacity: int) -> Any: ...
 
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: Any) -> tuple[np.ndarray, Any]: ...

@@ -213,7 +213,8 @@ class OnnxRuntimeBackend(ClosesOnExit):
         if self.front_aligned and self.lone_row_differs():
             self.min_rows = 2
         self.rows_alike_in_prompts = interface.prefill == "batched"  # every attention Kiln's
-        self.limits = Limits(chunked_prefill="one-row" if self.shared else "any", rows_in_place=self.front_aligned)
+        self.limits = Limits(chunked_prefill="one-row" if self.shared else "any", rows_in_place=self.front_aligned,
+                             host_slots=True)
 
     @property
     def batched_prefill(self) -> bool:
@@ -257,6 +258,29 @@ class OnnxRuntimeBackend(ClosesOnExit):
             return None
         cache = self._cache(cache)
         return KvCache([array[first:first + count] for array in cache], 0, True, count)
+
+    def slots_of(self, cache: KvCache, row: int, length: int, start: int, stop: int) -> list[np.ndarray]:
+        """Copies of a row's slots start..stop-1, counted from its first (the row holds `length`), one
+        array per past tensor, [kv_heads, stop - start, head_dim]."""
+        cache = self._cache(cache)
+        first = 0 if self.front_aligned else self.lead + cache.length - length
+        return [array[row, :, first + start:first + stop].copy() for array in cache]
+
+    def cache_of(self, slots: list[list[np.ndarray]], capacity: int) -> KvCache:
+        """A cache whose rows hold these slots (a list per row, as many slots in each), as if their
+        tokens had been prefilled there; shared buffers get `capacity` slots."""
+        count = slots[0][0].shape[1]
+        if self.shared:
+            cache = self.new_cache(len(slots), max(capacity, count))
+            first = 0 if self.front_aligned else self.lead
+        else:
+            cache = KvCache(self._zeros(len(slots), self.lead + count), 0, False)
+            first = self.lead
+        for row, row_slots in enumerate(slots):
+            for array, part in zip(cache, row_slots, strict=True):
+                array[row, :, first:first + count] = part
+        cache.length = count
+        return cache
 
     def write_rows(self, cache: KvCache, rows: Sequence[int], source: KvCache, source_rows: Sequence[int]) -> KvCache:
         """Copy `source_rows` of `source` into `rows` of `cache`, in place, newest slots aligned."""
