@@ -130,9 +130,9 @@ def one_prefill(generator, prompts: list[list[int]]) -> float:
     return statistics.median(times)
 
 
-def start_server(artifact: Path, variant: str, threads: int) -> tuple[subprocess.Popen, int, str]:
+def start_server(artifact: Path, variant: str, threads: int, *extra: str) -> tuple[subprocess.Popen, int, str]:
     process = subprocess.Popen([sys.executable, "-m", "runtime.kiln_cli", "serve", str(artifact), "--variant", variant,
-                                "--port", "0", "--threads", str(threads), "--max-batch-size", "32"],
+                                "--port", "0", "--threads", str(threads), "--max-batch-size", "32", *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT)
     first = process.stdout.readline()
     match = re.search(r":(\d+)/v1  model (\S+)", first)

@@ -160,7 +160,10 @@ class OutputProcessor:
             sequence.matcher = self.constraints.matcher(sequence.params.output_format)
         allowed, sequence.allowed = sequence.allowed, None
         if allowed is None:
+            begun = time.perf_counter()
             allowed = self.constraints.allowed(sequence.matcher)
+            self.constraints.wait_s += time.perf_counter() - begun
+        self.constraints.masks += 1
         if not allowed.any():
             raise ValueError(f"the output format allows no token here ({sequence.matcher.get_error() or 'no error'})")
         return np.where(allowed, logits, -np.inf)
@@ -173,12 +176,13 @@ class OutputProcessor:
             return None
         return constrained, self.constraints.start([row.matcher for row in constrained])
 
-    @staticmethod
-    def take_masks(pending: tuple[list[SequenceState], Any] | None) -> None:
+    def take_masks(self, pending: tuple[list[SequenceState], Any] | None) -> None:
         if pending is not None:
             rows, masks = pending
+            begun = time.perf_counter()
             for row, allowed in zip(rows, masks.result(), strict=True):
                 row.allowed = allowed
+            self.constraints.wait_s += time.perf_counter() - begun
 
     def _advance(self, sequence: SequenceState, token: int, logits: np.ndarray) -> Event:
         params, result = sequence.params, sequence.result

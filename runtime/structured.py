@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -169,6 +170,11 @@ class Constraints:
         self._ll_tokenizer: Any = None
         self._pool: ThreadPoolExecutor | None = None
         self._grammar = lru_cache(maxsize=256)(self._checked_grammar)
+        # What structured outputs cost: masks applied, seconds the engine's thread spent computing them or
+        # waiting for the constraint thread, and seconds spent computing them on either (bench/structured.py).
+        self.masks = 0
+        self.wait_s = 0.0
+        self.compute_s = 0.0
 
     @property
     def ll_tokenizer(self) -> Any:
@@ -212,10 +218,13 @@ class Constraints:
     def allowed_rows(self, matchers: list[Any]) -> np.ndarray:
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
+        begun = time.perf_counter()
         bits = allocate_token_bitmask(len(matchers), self.vocab_size)
         for i, matcher in enumerate(matchers):
             fill_next_token_bitmask(matcher, bits, i)
-        return np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size].astype(bool)
+        allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size].astype(bool)
+        self.compute_s += time.perf_counter() - begun
+        return allowed
 
     def start(self, matchers: list[Any]) -> Future:
         """The masks of these matchers, computed on the constraint thread while the caller goes on."""

@@ -105,7 +105,9 @@ def test_a_burst_that_prefills_in_several_steps_grows_the_batch_once(tiny_artifa
     apart (front-aligned shared buffers) the first group's batch has those rows from the start and each
     group is prefilled straight into its free rows: no copy at all. Later, wider prompts need columns in
     front: in shared buffers with room for them, no copy either."""
-    generator = Generator.load(tiny_artifacts["llama"], variant, max_batch_size=8)
+    # Without the prefix cache: the runs alone would leave these prompts' blocks cached, and a hit is a
+    # group of its own (tests/runtime/test_prefix_cache.py), another pattern of copies.
+    generator = Generator.load(tiny_artifacts["llama"], variant, max_batch_size=8, prefix_cache_mib=0)
     prompts = [[5 + i] * (12 + i) for i in range(8)]
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
     alone = [generator.generate([p], params)[0].token_ids for p in prompts]

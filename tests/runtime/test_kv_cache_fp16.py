@@ -86,3 +86,17 @@ def test_beams_and_forks_copy_fp16_rows(artifact):
     again = generator.generate([prompt], SamplingParams(max_new_tokens=5, n=3, seed=7, temperature=0.8))[0]
     assert [forked.token_ids] + [a.token_ids for a in forked.alternatives] == \
         [again.token_ids] + [a.token_ids for a in again.alternatives]
+
+
+def test_prefix_cache_copies_fp16_blocks_and_answers_stay_the_same(artifact):
+    from tests.runtime.test_prefix_cache import PARAMS, _shared_prefix_prompts
+
+    prompts = _shared_prefix_prompts(8, seed=5)
+    reference = Generator.load(artifact, HALF, prefix_cache_mib=0)
+    expected = [reference.generate([p], PARAMS)[0].token_ids for p in prompts]
+    generator = Generator.load(artifact, HALF)
+    assert [r.token_ids for r in generator.generate(prompts, PARAMS)] == expected
+    later = generator.generate(prompts, PARAMS)
+    assert [r.token_ids for r in later] == expected and all(r.cached_tokens for r in later)
+    blocks = generator.engine.scheduler.prefix_cache.blocks
+    assert blocks and all(array.dtype == np.float16 for block in blocks.values() for array in block)
