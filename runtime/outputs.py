@@ -180,7 +180,11 @@ class OutputProcessor:
         if pending is not None:
             rows, masks = pending
             begun = time.perf_counter()
-            for row, allowed in zip(rows, masks.result(), strict=True):
+            try:
+                computed = masks.result()
+            except Exception:  # noqa: BLE001 - each row computes its own at its pick, and fails alone
+                return
+            for row, allowed in zip(rows, computed, strict=True):
                 row.allowed = allowed
             self.constraints.wait_s += time.perf_counter() - begun
 

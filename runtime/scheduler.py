@@ -26,7 +26,7 @@ import numpy as np
 
 from .backends.base import Backend
 from .outputs import Request, SequenceState
-from .prefix_cache import PrefixCache, block_keys
+from .prefix_cache import MIN_REUSE_BLOCKS, PrefixCache, block_keys
 
 MIN_GROWTH = 64  # shared buffers grow by at least this many slots, and by half their width
 # Free rows are compacted away only after this many steps without a join: under load a finished
@@ -144,7 +144,7 @@ class Scheduler:
                 break
             group.append(request)
             rows, width = rows + request.params.rows, wider
-            if self._cached_blocks(request):
+            if self._cached_blocks(request) >= MIN_REUSE_BLOCKS:
                 break
         if not group:
             return False
@@ -177,16 +177,19 @@ class Scheduler:
         return self.prefix_cache.usable(request.prefix_keys, len(request.prompt))
 
     def _prefix_waits(self, request: Request, group: list[Request]) -> bool:
-        """Whether a request is better left for a later group: it has cached blocks (it runs alone, from
-        them), or it begins with a block of a prompt in this group, which it will find cached then
-        (requests of a burst with one system prompt: the first is prefilled, the rest reuse it)."""
+        """Whether a request is better left for a later group: it has MIN_REUSE_BLOCKS cached blocks or
+        more (it runs alone, from them), or it begins with that many blocks of a prompt in this group,
+        which it will find cached then (a burst with one system prompt: the first is prefilled, the rest
+        reuse it)."""
         if self.prefix_cache is None:
             return False
-        if self._cached_blocks(request):
+        if self._cached_blocks(request) >= MIN_REUSE_BLOCKS:
             return True
-        if len(request.prompt) <= self.prefix_cache.block_tokens:  # no block of its own to reuse
+        last = MIN_REUSE_BLOCKS - 1  # keys chain their prefix: equal there, equal in every block before
+        if (len(request.prompt) - 1) // self.prefix_cache.block_tokens <= last:
             return False
-        return any(member.prefix_keys and member.prefix_keys[0] == request.prefix_keys[0] for member in group)
+        return any(len(member.prefix_keys) > last and member.prefix_keys[last] == request.prefix_keys[last]
+                   for member in group)
 
     def _admit_cached(self, request: Request, ids: np.ndarray, slots: list[np.ndarray]) -> bool:
         """The request's prefill group, fed from its cached prefix on: a cache of its own holds the

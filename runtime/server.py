@@ -328,7 +328,9 @@ class Service:
         generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
         # Built now, not by the first request asking for an output format (on the event loop, for 0.3 s).
-        _ = generator.engine.constraints.ll_tokenizer
+        unavailable = generator.engine.constraints.prepare()
+        if unavailable:
+            _say(f"{unavailable}; requests that ask for a format get a 400")
         self.engine = generator.engine
         self.loop = EngineLoop(self.engine, self.metrics)
         self.loop.start()
@@ -665,11 +667,19 @@ def memory_budgets(manifest: Manifest, entry: Variant, config: ServeConfig) -> t
 
     one = require_fit(manifest, entry, 1, providers_for(config.device), prefill_tokens=config.max_prefill_tokens)
     if one is None:  # an engine's memory is the GPU's: bounded by its profiles instead (no prefix cache)
-        return None, 0
+        return None, 0 if config.prefix_cache_mib is None else config.prefix_cache_mib
     free = free_host_memory()
     prefix_mib = config.prefix_cache_mib if config.prefix_cache_mib is not None else prefix_cache_default(
         one.kv_bytes_per_token, config.max_batch_size, manifest.model.max_context, free) / MIB
-    return tokens_in_flight(one, free + one.baseline_bytes - int(prefix_mib * MIB)), prefix_mib
+    slots = tokens_in_flight(one, free + one.baseline_bytes - int(prefix_mib * MIB))
+    if slots < one.context and config.prefix_cache_mib is None:  # a tight host: the default gives way
+        prefix_mib, slots = 0, tokens_in_flight(one, free + one.baseline_bytes)
+    if slots < one.context and prefix_mib:
+        from .errors import IncompatibleArtifact
+
+        raise IncompatibleArtifact(f"--prefix-cache-mib {prefix_mib:g} leaves this host's free memory no room for "
+                                   f"one sequence at the max context ({one.context} tokens); lower it")
+    return slots, prefix_mib
 
 
 def serve(config: ServeConfig) -> int:

@@ -161,65 +161,79 @@ def _one_line(message: str) -> str:
 
 class Constraints:
     """One engine's structured-output machinery: llguidance's view of the tokenizer (built at the first
-    constrained request: about 0.3 s for SmolLM2's vocabulary), the formats already checked, and the
-    thread that computes masks beside the forward pass."""
+    constrained request: about 0.3 s for SmolLM2's vocabulary), each format compiled once into a matcher
+    that sequences copy, and the masks computed beside the forward pass."""
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_ids: set[int]) -> None:
         self.tokenizer, self.vocab_size, self.eos_ids = tokenizer, vocab_size, sorted(eos_ids)
+        # The masks span the larger of the model's and the tokenizer's vocabularies (llguidance refuses a
+        # vocabulary smaller than its tokenizer's); the logits take the model's part.
+        self.mask_vocab = max(vocab_size, tokenizer.vocab_size)
         self._lock = threading.Lock()
         self._ll_tokenizer: Any = None
-        self._pool: ThreadPoolExecutor | None = None
-        self._grammar = lru_cache(maxsize=256)(self._checked_grammar)
+        self._unavailable: str | None = None
+        self._compiled = lru_cache(maxsize=64)(self._compile)
         # What structured outputs cost: masks applied, seconds the engine's thread spent computing them or
         # waiting for the constraint thread, and seconds spent computing them on either (bench/structured.py).
         self.masks = 0
         self.wait_s = 0.0
         self.compute_s = 0.0
 
-    @property
-    def ll_tokenizer(self) -> Any:
+    def prepare(self) -> str | None:
+        """Build llguidance's view of the tokenizer now (a server does it while loading); why structured
+        outputs are unavailable for this model, or None."""
         with self._lock:
-            if self._ll_tokenizer is None:
+            if self._ll_tokenizer is None and self._unavailable is None:
                 from llguidance import LLTokenizer
 
-                self._ll_tokenizer = LLTokenizer(self.tokenizer.json(), n_vocab=self.vocab_size,
-                                                 eos_token=self.eos_ids or None)
-            return self._ll_tokenizer
+                try:
+                    self._ll_tokenizer = LLTokenizer(self.tokenizer.json(), n_vocab=self.mask_vocab,
+                                                     eos_token=self.eos_ids or None)
+                except Exception as exc:  # noqa: BLE001 - a tokenizer it cannot read: no formats, the rest runs
+                    self._unavailable = f"structured outputs are unavailable for this model's tokenizer: " \
+                                        f"{_one_line(str(exc))}"
+            return self._unavailable
 
-    def _checked_grammar(self, fmt: OutputFormat) -> tuple[str | None, str | None]:
-        """(grammar, None), or (None, what is wrong with the format)."""
+    def _compile(self, fmt: OutputFormat) -> tuple[Any, str | None]:
+        """(a matcher at the format's start, None), or (None, what is wrong): once per distinct format."""
         from llguidance import LLMatcher
 
+        unavailable = self.prepare()
+        if unavailable:
+            return None, unavailable
         try:
             grammar = grammar_of(fmt)
         except ValueError as exc:
             return None, f"invalid {fmt.describe()}: {_one_line(str(exc))}"
-        error = LLMatcher.validate_grammar(grammar, self.ll_tokenizer)
+        error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
         if error and not error.startswith("WARNING"):
             return None, f"invalid {fmt.describe()}: {_one_line(error)}"
-        return grammar, None
+        matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            return None, f"invalid {fmt.describe()}: {_one_line(matcher.get_error())}"
+        return matcher, None
 
     def problem(self, fmt: OutputFormat) -> str | None:
-        """What is wrong with a format, in one line, or None: checked once per distinct format."""
-        return self._grammar(fmt)[1]
+        """What is wrong with a format, in one line, or None."""
+        return self._compiled(fmt)[1]
 
     def matcher(self, fmt: OutputFormat) -> Any:
-        from llguidance import LLMatcher
-
-        grammar, problem = self._grammar(fmt)
+        """A sequence's own matcher: a copy of the format's compiled one (about 10 us; compiling a schema
+        again takes milliseconds)."""
+        template, problem = self._compiled(fmt)
         if problem:
             raise ValueError(problem)
-        return LLMatcher(self.ll_tokenizer, grammar, log_level=0)
+        return template.deep_copy()
 
     def allowed(self, matcher: Any) -> np.ndarray:
-        """The tokens a matcher allows next, as a boolean row over the vocabulary."""
+        """The tokens a matcher allows next, as a boolean row over the model's vocabulary."""
         return self.allowed_rows([matcher])[0]
 
     def allowed_rows(self, matchers: list[Any]) -> np.ndarray:
         from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
         begun = time.perf_counter()
-        bits = allocate_token_bitmask(len(matchers), self.vocab_size)
+        bits = allocate_token_bitmask(len(matchers), self.mask_vocab)
         for i, matcher in enumerate(matchers):
             fill_next_token_bitmask(matcher, bits, i)
         allowed = np.unpackbits(bits.view(np.uint8), axis=1, bitorder="little")[:, :self.vocab_size].astype(bool)
@@ -228,10 +242,10 @@ class Constraints:
 
     def start(self, matchers: list[Any]) -> Future:
         """The masks of these matchers, computed on the constraint thread while the caller goes on."""
-        if self._pool is None:
-            self._pool = ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")
-        return self._pool.submit(self.allowed_rows, matchers)
+        return _mask_pool().submit(self.allowed_rows, matchers)
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False)
+
+@lru_cache(maxsize=1)
+def _mask_pool() -> ThreadPoolExecutor:
+    """One thread for every engine of the process (an engine runs one step at a time)."""
+    return ThreadPoolExecutor(1, thread_name_prefix="kiln-grammar")

@@ -214,6 +214,12 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
     def view_rows(self, cache: DeviceKvCache, first: int, count: int) -> None:
         return None  # limits.rows_in_place is False
 
+    def slots_of(self, cache: Any, row: int, length: int, start: int, stop: int) -> list[np.ndarray]:
+        raise NotImplementedError("the KV cache stays on the GPU (limits.host_slots is False: no prefix cache)")
+
+    def cache_of(self, slots: list[list[np.ndarray]], capacity: int) -> Any:
+        raise NotImplementedError("the KV cache stays on the GPU (limits.host_slots is False: no prefix cache)")
+
     def run(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
             cache: DeviceKvCache) -> tuple[np.ndarray, DeviceKvCache]:
         """A step on rows stored from slot 0: the callers' right-aligned mask becomes each row's length. Rows

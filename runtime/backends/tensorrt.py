@@ -216,6 +216,12 @@ class TensorRTBackend(ClosesOnExit):
         """Never: a first prompt runs into a cache of its own, joined by write_rows (limits.rows_in_place)."""
         return None
 
+    def slots_of(self, cache: Any, row: int, length: int, start: int, stop: int) -> list[np.ndarray]:
+        raise NotImplementedError("the KV cache stays on the GPU (limits.host_slots is False: no prefix cache)")
+
+    def cache_of(self, slots: list[list[np.ndarray]], capacity: int) -> Any:
+        raise NotImplementedError("the KV cache stays on the GPU (limits.host_slots is False: no prefix cache)")
+
     def close(self) -> None:
         """The engine and its context go; caches free their own device buffers."""
         self.context = self.engine = None

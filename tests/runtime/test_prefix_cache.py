@@ -17,7 +17,7 @@ from .test_engine import VARIANTS, _run_staggered
 PARAMS = SamplingParams(max_new_tokens=12, ignore_eos=True)
 
 
-def _shared_prefix_prompts(count: int, prefix: int = 40, seed: int = 0) -> list[list[int]]:
+def _shared_prefix_prompts(count: int, prefix: int = 72, seed: int = 0) -> list[list[int]]:
     """`count` prompts: one `prefix`-token system prompt, then 1 to 24 tokens of their own."""
     rng = np.random.default_rng(seed)
     system = [int(t) for t in rng.integers(1, 300, prefix)]
@@ -38,7 +38,7 @@ def test_answers_with_the_cache_equal_those_without_in_a_burst_and_later(tiny_ar
     cache = generator.engine.scheduler.prefix_cache
     burst = generator.generate(prompts, PARAMS)  # one step's arrivals: the first prefilled, the rest reuse it
     assert [r.token_ids for r in burst] == expected
-    shared = (40 // BLOCK_TOKENS) * BLOCK_TOKENS
+    shared = (72 // BLOCK_TOKENS) * BLOCK_TOKENS
     assert [r.cached_tokens for r in burst].count(0) == 1 and all(r.cached_tokens >= shared for r in burst
                                                                    if r.cached_tokens)
     assert cache.queries == sum(map(len, prompts)) and cache.hits == sum(r.cached_tokens for r in burst)
@@ -51,7 +51,7 @@ def test_answers_with_the_cache_equal_those_without_in_a_burst_and_later(tiny_ar
 def test_cached_prompts_join_running_batches_and_are_fed_in_pieces(tiny_artifacts, variant):
     """A server's policy (decode steps between prefills), small prefill budgets (a cached prompt's rest fed
     in pieces), few rows (requests wait), arrivals spread over steps, prompts with and without the prefix."""
-    prompts = _shared_prefix_prompts(12, prefix=50, seed=7) + _shared_prefix_prompts(4, prefix=3, seed=8)
+    prompts = _shared_prefix_prompts(12, prefix=80, seed=7) + _shared_prefix_prompts(4, prefix=3, seed=8)
     params = [SamplingParams(max_new_tokens=int(n), ignore_eos=True) for n in np.random.default_rng(1).integers(
         1, 20, len(prompts))]
     reference = Generator.load(tiny_artifacts["llama"], variant, prefix_cache_mib=0)
@@ -82,21 +82,44 @@ def test_forks_and_beams_start_from_a_cached_prefix(tiny_artifacts):
 
 def test_a_small_budget_evicts_least_recently_used_blocks_and_answers_stay_the_same(tiny_artifacts):
     artifact = tiny_artifacts["llama"]
-    groups = [_shared_prefix_prompts(3, prefix=48, seed=20 + i) for i in range(4)]  # 4 system prompts
+    groups = [_shared_prefix_prompts(3, prefix=64, seed=20 + i) for i in range(4)]  # 4 system prompts
     expected = [_alone_without_cache(artifact, "cpu-fp32", group) for group in groups]
     probe = Generator.load(artifact, "cpu-fp32")
     probe.generate(groups[0][:1], PARAMS)
-    per_block = probe.engine.scheduler.prefix_cache.bytes // 3  # a 48-token prompt's 3 blocks
-    generator = Generator.load(artifact, "cpu-fp32", prefix_cache_mib=8 * per_block / 2**20)
+    probe_cache = probe.engine.scheduler.prefix_cache
+    per_block = probe_cache.bytes // len(probe_cache.blocks)
+    generator = Generator.load(artifact, "cpu-fp32", prefix_cache_mib=10 * per_block / 2**20)
     cache = generator.engine.scheduler.prefix_cache
     for group, want in zip(groups, expected, strict=True):
         assert [r.token_ids for r in generator.generate(group, PARAMS)] == want
         assert cache.bytes <= cache.budget_bytes
     assert cache.evicted_blocks > 0
     # The newest system prompt is still held, whole; the first one's blocks are gone.
-    assert cache.usable(block_keys(groups[-1][0]), len(groups[-1][0])) == 3
+    assert cache.usable(block_keys(groups[-1][0]), len(groups[-1][0])) == 4
     assert cache.usable(block_keys(groups[0][0]), len(groups[0][0])) == 0
     assert [r.token_ids for r in generator.generate(groups[0], PARAMS)] == expected[0]
+
+
+def test_a_short_shared_header_keeps_a_bursts_prompts_prefilling_together(tiny_artifacts, monkeypatch):
+    """Prompts that share 1 to 3 blocks (a chat template's fixed header) are prefilled as one group, as
+    without the cache: waiting for so short a prefix would cost more than it saves (MIN_REUSE_BLOCKS)."""
+    generator = Generator.load(tiny_artifacts["llama"], "cpu-fp32")
+    prompts = _shared_prefix_prompts(6, prefix=40, seed=3)
+    groups = []
+    original = generator.engine.scheduler.admit
+
+    def admit() -> bool:
+        admitted = original()
+        if admitted:
+            groups.append(len(generator.engine.scheduler.prefill.requests))
+        return admitted
+
+    monkeypatch.setattr(generator.engine.scheduler, "admit", admit)
+    results = generator.generate(prompts, PARAMS)
+    assert groups == [6] and not any(r.cached_tokens for r in results)
+    assert [r.token_ids for r in results] == _alone_without_cache(tiny_artifacts["llama"], "cpu-fp32", prompts)
+    lone = generator.generate(prompts[:1], PARAMS)[0]  # alone, a request takes any hit
+    assert lone.cached_tokens == (len(prompts[0]) - 1) // BLOCK_TOKENS * BLOCK_TOKENS
 
 
 def test_eviction_takes_a_chains_last_blocks_first():
@@ -134,3 +157,13 @@ def test_serve_counts_prefix_hits_in_metrics_and_answers_as_without_the_cache(se
     assert common > 2 * BLOCK_TOKENS
     assert metrics["kiln:prefix_cache_hits_total"] >= 5 * (common // BLOCK_TOKENS) * BLOCK_TOKENS
     assert metrics["kiln:prefix_cache_bytes"] > 0
+
+
+def test_serve_refuses_a_prefix_cache_that_leaves_no_room_in_one_line(serve_artifact):
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "runtime.kiln_cli", "serve", str(serve_artifact), "--port", "0",
+                           "--prefix-cache-mib", str(1 << 30)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert "--prefix-cache-mib" in done.stderr and "lower it" in done.stderr
