@@ -20,11 +20,11 @@ from pydantic import BaseModel, ConfigDict, Field
 from .engine import Result, TokenLogprob
 from .manifest import Variant
 from .sampling import MAX_LOGPROBS, SamplingParams
-from .structured import OutputFormat
+from .structured import GUIDED_FIELDS, OutputFormat
 
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "abort": "abort", "error": "error"}
 GENERATION_DEFAULTS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
-FORMAT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+FORMAT_FIELDS = ("response_format", *GUIDED_FIELDS)
 
 
 class ApiError(Exception):
@@ -106,7 +106,7 @@ class _Common(BaseModel):
 
     def output_format(self) -> OutputFormat | None:
         """The one format the request asks for, or None for free text; ApiError (400) for two at once."""
-        named = [name for name in FORMAT_FIELDS[1:] if getattr(self, name) is not None]
+        named = [name for name in GUIDED_FIELDS if getattr(self, name) is not None]
         response_format = self.response_format
         if response_format is not None and response_format.type != "text":
             named.append("response_format")
@@ -114,14 +114,8 @@ class _Common(BaseModel):
             raise ApiError(400, f"give one output format, not {' and '.join(named)}", named[1])
         if not named:
             return None
-        if named[0] == "guided_json":
-            return OutputFormat.json_schema(self.guided_json)
-        if named[0] == "guided_regex":
-            return OutputFormat.regex(self.guided_regex)
-        if named[0] == "guided_choice":
-            return OutputFormat.choice(self.guided_choice)
-        if named[0] == "guided_grammar":
-            return OutputFormat.grammar(self.guided_grammar)
+        if named[0] in GUIDED_FIELDS:
+            return OutputFormat.of_field(named[0], getattr(self, named[0]))
         if response_format.type == "json_object":
             return OutputFormat.json_object()
         spec = response_format.json_schema

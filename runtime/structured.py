@@ -39,6 +39,9 @@ KINDS: tuple[str, ...] = ("json_schema", "json_object", "regex", "choice", "gram
 # tokens on newlines (seen on SmolLM2: `{\n"confidence": 1\n\n,\n"label": ...`). A schema's own
 # "x-guidance" options (llguidance's) override these.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+# vLLM's request fields for the formats (OpenAI's response_format asks for the two JSON ones).
+GUIDED_FIELDS = {"guided_json": "json_schema", "guided_regex": "regex", "guided_choice": "choice",
+                 "guided_grammar": "grammar"}
 
 
 @dataclass(frozen=True)
@@ -78,19 +81,27 @@ class OutputFormat:
         if self.kind == "json_object":
             return {"response_format": {"type": "json_object"}}
         value = json.loads(self.spec) if self.kind in ("json_schema", "choice") else self.spec
-        return {f"guided_{'json' if self.kind == 'json_schema' else self.kind}": value}
+        return {next(name for name, kind in GUIDED_FIELDS.items() if kind == self.kind): value}
+
+    @classmethod
+    def of_field(cls, name: str, value: Any) -> OutputFormat:
+        """The format a guided_* request field asks for."""
+        return getattr(cls, GUIDED_FIELDS[name])(value)
 
 
-def format_problem(fmt: OutputFormat) -> str | None:
-    """What is wrong with a format, without a tokenizer (a command line checks before loading a model)."""
+def checked_grammar(fmt: OutputFormat, tokenizer: Any = None) -> tuple[str | None, str | None]:
+    """(llguidance's grammar, None), or (None, what is wrong with the format in one line); checked
+    against the tokenizer's view where one is given (a command line checks before loading a model)."""
     from llguidance import LLMatcher
 
     try:
         grammar = grammar_of(fmt)
     except ValueError as exc:
-        return f"invalid {fmt.describe()}: {_one_line(str(exc))}"
-    error = LLMatcher.validate_grammar(grammar)
-    return f"invalid {fmt.describe()}: {_one_line(error)}" if error and not error.startswith("WARNING") else None
+        return None, f"invalid {fmt.describe()}: {_one_line(str(exc))}"
+    error = LLMatcher.validate_grammar(grammar, tokenizer)
+    if error and not error.startswith("WARNING"):
+        return None, f"invalid {fmt.describe()}: {_one_line(error)}"
+    return grammar, None
 
 
 def format_of_options(json_schema: str | None = None, regex: str | None = None, choice: str | None = None,
@@ -115,7 +126,7 @@ def format_of_options(json_schema: str | None = None, regex: str | None = None, 
             raise ValueError(f"{flag} {value}: cannot be read ({exc.strerror if isinstance(exc, OSError) else exc})"
                              ) from None
         fmt = OutputFormat.json_schema(text) if flag == "--json-schema" else OutputFormat.grammar(text)
-    problem = format_problem(fmt)
+    _, problem = checked_grammar(fmt)
     if problem:
         raise ValueError(f"{flag}: {problem}")
     return fmt
@@ -201,13 +212,9 @@ class Constraints:
         unavailable = self.prepare()
         if unavailable:
             return None, unavailable
-        try:
-            grammar = grammar_of(fmt)
-        except ValueError as exc:
-            return None, f"invalid {fmt.describe()}: {_one_line(str(exc))}"
-        error = LLMatcher.validate_grammar(grammar, self._ll_tokenizer)
-        if error and not error.startswith("WARNING"):
-            return None, f"invalid {fmt.describe()}: {_one_line(error)}"
+        grammar, problem = checked_grammar(fmt, self._ll_tokenizer)
+        if problem:
+            return None, problem
         matcher = LLMatcher(self._ll_tokenizer, grammar, log_level=0)
         if matcher.is_error():
             return None, f"invalid {fmt.describe()}: {_one_line(matcher.get_error())}"
