@@ -346,7 +346,7 @@ class Answerer:
             return self.failure(row.line, None, RowError(f"generation failed: {failed.error}", "internal_error",
                                                          status=500), row.id)
         chat = isinstance(row.request, ChatCompletionRequest)
-        body = response_body(chat, self.model, row.results, sum(map(len, row.prompts)), self.engine.tokenizer,
+        body = response_body(chat, self.model, row.results, row.prompts, self.engine.tokenizer,
                              self.fingerprint)
         tokens = body["usage"]["completion_tokens"]
         if self.format == OPENAI:

@@ -186,6 +186,44 @@ def tokens_in_flight(planned: Plan, budget: int) -> int:
     return max(0, int((budget - fixed) // (2 * planned.kv_bytes_per_token)))
 
 
+# Slots a row of a chat burst takes (a long system prompt, the question and the answer): what a server
+# faults in at start (warm_host_memory), per row of its batch.
+WARM_SLOTS_PER_ROW = 512
+
+
+def keep_freed_memory() -> bool:
+    """Have glibc keep freed memory in the process instead of handing it back to the kernel (one arena, no
+    mmap'd blocks, no trimming): a server's KV buffers come and go with each burst, and pages newly
+    faulted in are slow where a VM reports free pages to its host (4 to 6 s a GB on the machines Kiln
+    is built on), every time they come back. The bound a batch is sized by already counts the pages the
+    allocator keeps. False where the C library is not glibc: nothing changed."""
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL("libc.so.6").mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_max, m_arena_max = -1, -4, -8
+    return all(mallopt(option, value) == 1 for option, value in
+               ((m_arena_max, 1), (m_mmap_max, 0), (m_trim_threshold, 2**31 - 1)))
+
+
+def host_kv_bytes_per_token(backend: Any) -> int:
+    """A token's KV bytes as this backend holds them on the host (measured on a cache of one slot); 0 for
+    a backend whose KV lives on a device."""
+    if not backend.limits.host_slots:
+        return 0
+    return sum(array.shape[1] * array.shape[3] * array.itemsize for array in backend.new_cache(1, 1))
+
+
+def warm_host_memory(nbytes: int) -> None:
+    """Fault nbytes in and free them: with keep_freed_memory, the first burst's KV buffers then take pages
+    the process already holds."""
+    block = np.empty(max(0, nbytes), np.uint8)
+    block[::4096] = 1  # a write a page faults each one in
+    del block
+
+
 def config_interface(config: dict[str, Any], dtype: str) -> tuple[Interface, int]:
     """An interface and the weights' bytes from a transformers config.json alone, for `kiln plan --config`:
     the KV shapes as the export would write them (shared buffers, as the fused onnxruntime graph has)."""

@@ -244,9 +244,18 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens whose KV came from the prefix cache."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}
+
+
+def cached_prompt_tokens(results: dict[int, Result], prompts: int) -> int:
+    """The prefix cache's tokens of a request's prompts, each counted once (as prompt_tokens counts them)
+    however many choices it has: choice i is prompt i // n's."""
+    n = max(1, len(results) // max(1, prompts))
+    return sum(result.cached_tokens for index, result in results.items() if index % n == 0)
 
 
 def envelope(kind: Literal["text_completion", "chat.completion", "chat.completion.chunk"], response_id: str,
@@ -294,15 +303,16 @@ def request_prompts(request: CompletionRequest | ChatCompletionRequest) -> tuple
     return request.prompts(), "prompt"
 
 
-def response_body(chat: bool, model: str, results: dict[int, Result], prompt_tokens: int, tokenizer: Any,
+def response_body(chat: bool, model: str, results: dict[int, Result], prompts: list[list[int]], tokenizer: Any,
                   fingerprint: str, response_id: str | None = None) -> dict[str, Any]:
     """The whole (not streamed) answer to a request, from its results by choice index."""
     build = chat_choice if chat else completion_choice
     choices = [build(index, results[index], tokenizer) for index in sorted(results)]
     completion_tokens = sum(r.generated_tokens for r in results.values())
+    used = usage(sum(map(len, prompts)), completion_tokens, cached_prompt_tokens(results, len(prompts)))
     return envelope("chat.completion" if chat else "text_completion",
                     response_id or new_id("chatcmpl" if chat else "cmpl"), model, choices,
-                    usage=usage(prompt_tokens, completion_tokens), system_fingerprint=fingerprint)
+                    usage=used, system_fingerprint=fingerprint)
 
 
 def validation_error(errors: list[dict[str, Any]]) -> ApiError:

@@ -43,13 +43,10 @@ Slots = list[np.ndarray]  # one array per layer's key and value: [kv_heads, toke
 def default_budget(backend: Any, max_batch_size: int, max_context: int, free_bytes: int) -> int:
     """memory.prefix_cache_default for this backend's KV (measured on a cache of one slot); 0 for a
     backend whose slots do not come to the host."""
-    from .memory import prefix_cache_default
+    from .memory import host_kv_bytes_per_token, prefix_cache_default
 
-    if not backend.limits.host_slots:
-        return 0
-    probe = backend.new_cache(1, 1)
-    per_token = sum(array.shape[1] * array.shape[3] * array.itemsize for array in probe)
-    return prefix_cache_default(per_token, max_batch_size, max_context, free_bytes)
+    per_token = host_kv_bytes_per_token(backend)
+    return prefix_cache_default(per_token, max_batch_size, max_context, free_bytes) if per_token else 0
 
 
 def block_keys(prompt: Sequence[int], block_tokens: int = BLOCK_TOKENS) -> list[bytes]:

@@ -319,6 +319,7 @@ class Service:
     def load(self) -> None:
         """Open the backend, warm it up (a prefill and a decode step), then start the engine's thread."""
         from .generator import Generator
+        from .memory import WARM_SLOTS_PER_ROW, host_kv_bytes_per_token, keep_freed_memory, warm_host_memory
 
         config = self.config
         model = self.selection.open(config.threads)
@@ -327,6 +328,11 @@ class Service:
                                  prefix_cache_mib=config.prefix_cache_mib)
         generator.engine.max_tokens_in_flight = config.max_tokens_in_flight
         generator.warmup()
+        if keep_freed_memory():  # a burst's KV buffers (and their copies), faulted in once, not per burst
+            slots = config.max_batch_size * WARM_SLOTS_PER_ROW
+            if config.max_tokens_in_flight is not None:  # no more than admission lets requests hold
+                slots = min(slots, config.max_tokens_in_flight)
+            warm_host_memory(2 * slots * host_kv_bytes_per_token(model.backend))
         # Built now, not by the first request asking for an output format (on the event loop, for 0.3 s).
         unavailable = generator.engine.constraints.prepare()
         if unavailable:
@@ -575,7 +581,7 @@ async def _answer(service: Service, request: Any, body: Any, shape: _Shape) -> A
     failed = next((r for r in results.values() if r.finish_reason == "error"), None)
     if failed is not None:
         raise ApiError(500, f"generation failed: {failed.error}", kind="internal_error")
-    return JSONResponse(response_body(shape.chat, service.model, results, sum(map(len, prompts)),
+    return JSONResponse(response_body(shape.chat, service.model, results, prompts,
                                       service.engine.tokenizer, fingerprint(service.entry), response_id))
 
 
@@ -619,7 +625,7 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
                         system_fingerprint=system_fingerprint, **{**extra, **more})
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
-    completion_tokens, offsets = 0, {}  # offsets: each choice's text so far, for logprobs' text_offset
+    completion_tokens, cached_tokens, offsets = 0, 0, {}  # offsets: each choice's text so far (text_offset)
     try:
         if shape.chat:
             yield chunk([{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
@@ -635,7 +641,10 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
                                  code="stream_buffer_full")
                 yield f"data: {json.dumps(error.body())}\n\n"
                 break
-            completion_tokens += event.result.generated_tokens if event.result is not None else 0
+            if event.result is not None:
+                completion_tokens += event.result.generated_tokens
+                if event.sequence == 0:  # a prompt's cached tokens, once however many choices it has
+                    cached_tokens += event.result.cached_tokens
             if not (event.text or event.logprob or event.finish_reason):
                 continue
             index = submission.choice_index(event)
@@ -653,7 +662,7 @@ async def _stream(service: Service, submission: Submission, shape: _Shape, respo
                 offsets[index] = offset + sum(len(tokenizer.token_text(t.token_id)) for t in logprobs)
             yield chunk([choice])
         if include_usage:
-            yield chunk([], usage=usage(sum(map(len, prompts)), completion_tokens))
+            yield chunk([], usage=usage(sum(map(len, prompts)), completion_tokens, cached_tokens))
         yield "data: [DONE]\n\n"
     finally:
         submission.close()
@@ -689,8 +698,10 @@ def serve(config: ServeConfig) -> int:
 
     import uvicorn
 
+    from .memory import keep_freed_memory
     from .model import select_variant
 
+    keep_freed_memory()  # before any thread has an allocator arena of its own (Service.load warms the pages)
     selection = select_variant(config.artifact, config.variant, providers_for(config.device), verify=config.verify)
     if config.max_tokens_in_flight is None:  # else the generator sizes a default prefix cache itself
         budget, prefix_mib = memory_budgets(selection.artifact.manifest, selection.entry, config)

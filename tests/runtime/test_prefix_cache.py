@@ -145,11 +145,15 @@ def test_serve_counts_prefix_hits_in_metrics_and_answers_as_without_the_cache(se
     server = Server(serve_artifact, "--api-key", KEY, "--threads", "2")
     try:
         client = server.client()
-        got = [client.chat.completions.create(model=MODEL, messages=c, max_tokens=8, temperature=0
-                                              ).choices[0].message.content for c in chats]
+        answers = [client.chat.completions.create(model=MODEL, messages=c, max_tokens=8, temperature=0)
+                   for c in chats[:-1]]
+        chunks = list(client.chat.completions.create(model=MODEL, messages=chats[-1], max_tokens=8, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True}))
         metrics = server.metrics()
     finally:
         assert server.stop() == 0
+    got = [a.choices[0].message.content for a in answers] + ["".join(c.choices[0].delta.content or ""
+                                                                     for c in chunks if c.choices)]
     assert got == want
     encoded = [reference.encode(c) for c in chats]
     assert metrics["kiln:prefix_cache_queries_total"] == sum(map(len, encoded))
@@ -157,6 +161,11 @@ def test_serve_counts_prefix_hits_in_metrics_and_answers_as_without_the_cache(se
     assert common > 2 * BLOCK_TOKENS
     assert metrics["kiln:prefix_cache_hits_total"] >= 5 * (common // BLOCK_TOKENS) * BLOCK_TOKENS
     assert metrics["kiln:prefix_cache_bytes"] > 0
+    # Each answer's usage says how many of its prompt tokens the cache gave, as OpenAI's API does.
+    cached = [a.usage.prompt_tokens_details.cached_tokens for a in answers]
+    cached.append(chunks[-1].usage.prompt_tokens_details.cached_tokens)
+    assert cached[0] == 0 and all(c == (common // BLOCK_TOKENS) * BLOCK_TOKENS for c in cached[1:])
+    assert sum(cached) == metrics["kiln:prefix_cache_hits_total"]
 
 
 def test_serve_refuses_a_prefix_cache_that_leaves_no_room_in_one_line(serve_artifact):
