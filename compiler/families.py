@@ -52,6 +52,11 @@ def falcon_cache_heads(config: Any) -> int:
 EXPERT_DISPATCH = ("torch.onnx cannot translate the data-dependent expert dispatch (nonzero over the router's "
                    "top-k) to ONNX")
 
+# Why a model with ALiBi position bias is refused, by its row (BLOOM, MPT) or by Falcon's config (alibi).
+ALIBI = ("its attention adds an ALiBi position bias, which Kiln's export does not build yet (BLOOM's and MPT's "
+         "attention does not go through transformers' attention interface, and Falcon's computes the bias in "
+         "bfloat16 arithmetic, which ONNX Runtime's CPU kernels lack)")
+
 # What differs between families that the export and the fusions must know is read from the config
 # (head_dim, layer_types for sliding windows, attention scaling and soft-caps come through the
 # traced graph itself); a row records only what the config does not say.
@@ -78,6 +83,8 @@ FAMILIES: dict[str, Family] = {
     # GPT-2: fused c_attn Conv1D, learned position table, LayerNorm + GELU; multi-head KV.
     "gpt2": Family("GPT-2", positions="learned", kv_heads_attrs=("n_head",), attention="eager"),
     "mixtral": Family("Mixtral", refused=f"its mixture-of-experts routing does not export: {EXPERT_DISPATCH}"),
+    "bloom": Family("BLOOM", refused=ALIBI),
+    "mpt": Family("MPT", refused=ALIBI),
 }
 
 
@@ -89,20 +96,32 @@ def family_for(config: object) -> Family:
     """The row of a transformers config; for a model type the table lacks, the generic row where the
     model class and config are of the standard kind (see generic_family)."""
     model_type = getattr(config, "model_type", None)
-    family = family_named(model_type, config.to_dict() if hasattr(config, "to_dict") else None)
+    family = family_named(model_type, config_values(config) if hasattr(config, "to_dict") else None)
     if model_type not in FAMILIES:
         _check_standard_attention(model_type)
     return family
 
 
-def family_named(model_type: str | None, config: dict | None = None) -> Family:
-    """The row of a config's model_type; for another type with its config.json (`config`), the generic
-    row or UnsupportedArchitecture naming it and what is missing."""
+def config_values(config: Any) -> dict[str, Any]:
+    """A transformers config's values by transformers' names: its file's keys, and the standard sizes as
+    the object answers them, where its class maps them from older names (attribute_map: GPT-J's n_embd,
+    n_layer, n_head, n_positions)."""
+    return {**config.to_dict(), **{key: getattr(config, key, None) for key in STANDARD_CONFIG_KEYS}}
+
+
+def family_named(model_type: str | None, config: dict | None = None, file_keys: bool = False) -> Family:
+    """The row of a config's model_type; for another type with its config (`config`: config_values), the
+    generic row or UnsupportedArchitecture naming it and what is missing. `file_keys`: config is
+    config.json as written, before transformers reads it, so sizes it names the old way are left for
+    the loaded config to answer."""
     family = FAMILIES.get(model_type)
     if family is None:
-        return generic_family(model_type, config)
+        return generic_family(model_type, config, file_keys)
     if family.refused:
         raise UnsupportedArchitecture(f"model type {model_type!r} ({family.name}) is refused: {family.refused}")
+    if config and config.get("alibi"):  # Falcon's option (its 7B/40B checkpoints use rotary)
+        raise UnsupportedArchitecture(f"model type {model_type!r} ({family.name}) with alibi: true is refused: "
+                                      f"{ALIBI}")
     return family
 
 
@@ -114,7 +133,7 @@ EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
-def generic_family(model_type: str | None, config: dict | None) -> Family:
+def generic_family(model_type: str | None, config: dict | None, file_keys: bool = False) -> Family:
     """A model type outside the table compiles as it is when its config is of the standard kind (the
     shapes under transformers' usual names, attention layers only, no experts) and, checked once
     transformers is loaded, its model class goes through AttentionInterface. The export validation
@@ -128,7 +147,7 @@ def generic_family(model_type: str | None, config: dict | None) -> Family:
     if config.get("is_encoder_decoder"):
         raise refuse("it is an encoder-decoder model (Kiln compiles decoder-only language models)")
     missing = [k for k in STANDARD_CONFIG_KEYS if not isinstance(config.get(k), int)]
-    if missing:
+    if missing and not file_keys:
         raise refuse(f"its config has no {', '.join(missing)} (a row in compiler/families.py says where it keeps "
                      "them)")
     if any(config.get(k) for k in EXPERT_KEYS):

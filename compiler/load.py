@@ -146,7 +146,7 @@ def preflight(spec: ModelSpec, max_context: int | None) -> int | None:
         _check_is_causal_lm(source, config.get("architectures"))
         if config.get("model_type") is not None:  # without one, transformers may still infer it
             try:
-                family_named(config["model_type"], config)
+                family_named(config["model_type"], config, file_keys=True)
             except UnsupportedArchitecture as exc:
                 raise UnsupportedArchitecture(f"model.source {spec.source}: {exc}") from None
         key = "max_position_embeddings"  # transformers' name, whichever key the family's config.json uses

@@ -88,12 +88,18 @@ TINY_CONFIGS = {
 # Families in the table that are refused, with a tiny config that shows the refusal.
 REFUSED_CONFIGS = {
     "mixtral": ("MixtralConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
+    "mpt": ("MptConfig", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=256)),
 }
 # Model types with no row, compiled by the generic path (compiler/families.py generic_family): Helium
-# (interleaved rotary, RMSNorm epsilon 1e-8) and SmolLM3 (rotary skipped on some layers).
+# (interleaved rotary, RMSNorm epsilon 1e-8), SmolLM3 (rotary skipped on some layers), and two whose
+# configs name their sizes the old way (n_embd, n_layer, n_head, n_positions): GPT-J (interleaved
+# partial rotary, parallel attention and MLP) and GPTBigCode (StarCoder 1: multi-query attention).
 GENERIC_CONFIGS = {
     "helium": ("HeliumConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, pad_token_id=EOS)),
     "smollm3": ("SmolLM3Config", dict(_BASE, num_key_value_heads=2, pad_token_id=EOS, no_rope_layer_interval=2)),
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

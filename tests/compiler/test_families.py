@@ -27,6 +27,21 @@ def test_refused_family_says_why_before_loading_weights(tmp_path):
         load_checkpoint(ModelSpec(source=str(folder)))
 
 
+@pytest.mark.parametrize("model_type", ["bloom", "mpt", "falcon"])
+def test_alibi_position_bias_is_refused_by_name_before_loading_weights(model_type, tmp_path):
+    if model_type == "falcon":  # Falcon's rotary checkpoints compile; its alibi option is refused
+        import transformers
+
+        folder = tmp_path / "falcon"
+        transformers.FalconConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, alibi=True,
+                                  architectures=["FalconForCausalLM"]).save_pretrained(folder)
+    else:
+        folder = build_tiny_checkpoint(model_type, tmp_path / model_type)
+    with pytest.raises(UnsupportedArchitecture, match=rf"'{model_type}' \(.*\).* is refused: its attention adds an "
+                                                      "ALiBi position bias"):
+        load_checkpoint(ModelSpec(source=str(folder)))
+
+
 def test_shapes_read_from_each_family(tiny_checkpoints, family):
     from transformers import AutoConfig
 

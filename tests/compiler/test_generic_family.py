@@ -20,6 +20,8 @@ from tests.runtime.test_generator import PROMPTS, _eager_greedy
 EXPECTED_FUSIONS = {
     "helium": {"rotary_embedding": 0, "group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
     "smollm3": {"rotary_embedding": 2, "group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
+    "gptj": {"rotary_embedding": 0, "group_query_attention": 2, "skip_layer_normalization": 2, "gelu": 2},
+    "gpt_bigcode": {"group_query_attention": 2, "skip_layer_normalization": 5, "gelu": 2},
 }
 
 
@@ -41,6 +43,28 @@ def test_a_model_type_without_a_row_compiles_and_generates_as_transformers(model
     prompt_ids = [generator.encode(p) for p in PROMPTS] + [[5, 0, 7, 9]]
     batched = generator.generate(prompt_ids, SamplingParams(max_new_tokens=16))
     assert [r.token_ids for r in batched] == _eager_greedy(checkpoint, prompt_ids, 16, eos=0)
+
+
+@pytest.mark.parametrize("model_type, sizes", [
+    ("gptj", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    ("codegen", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    ("gpt_bigcode", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+    ("ctrl", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256)),
+])
+def test_a_config_that_names_its_sizes_the_old_way_is_read_through_its_attribute_map(model_type, sizes, tmp_path):
+    """The config object answers transformers' names (attribute_map), which its config.json lacks; the
+    check before loading (config.json alone) leaves them to it instead of refusing."""
+    from transformers import AutoConfig
+
+    from compiler.load import preflight
+    from compiler.recipe import ModelSpec
+
+    config = AutoConfig.for_model(model_type, **sizes)
+    assert "num_hidden_layers" not in json.loads(config.to_json_string())  # the file says n_layer
+    family = family_for(config)
+    assert family.name == model_type and family.kv_heads_attrs[-1] == "num_attention_heads"
+    config.save_pretrained(tmp_path)
+    assert preflight(ModelSpec(source=str(tmp_path)), max_context=128) == 256
 
 
 @pytest.mark.parametrize("model_type, overrides, why", [
