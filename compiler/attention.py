@@ -24,7 +24,7 @@ NAME = "kiln_grouped"
 # Keyword arguments transformers passes that change nothing here (inference, no dropout; the mask
 # already holds causality and the window; position information is already in query and key).
 IGNORED_KWARGS = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k", "is_causal",
-                  "output_attentions", "cache_position", "layer_idx", "use_cache"}
+                  "output_attentions", "cache_position", "layer_idx", "use_cache", "output_router_logits"}
 
 
 def grouped_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float,

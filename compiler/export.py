@@ -27,6 +27,7 @@ from typing import Any
 
 import numpy as np
 
+from . import moe
 from .errors import ExportError
 from .families import Shapes, shapes_of
 from .fp32_compute import stop_computing_in_fp32
@@ -128,6 +129,7 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     computed from a weight, Falcon's) gets them back from the same file and is traced as it was."""
     shapes = shapes_of(checkpoint.config)
     stop_computing_in_fp32(checkpoint.model)  # its weights are traced as fp32 on the meta device instead
+    experts = moe.prepare_for_export(checkpoint.model)  # each layer's experts: one MoE node
     wrapper = _make_wrapper(checkpoint.model, shapes.layers, cfg.logits)
     folder.mkdir(parents=True, exist_ok=True)
     scratch = folder / SCRATCH_WEIGHTS_FILE
@@ -135,12 +137,12 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
         weights = WeightsFile.written(wrapper, scratch)
         _weights_on_meta(wrapper)
         try:
-            program = _trace(wrapper, shapes, cfg, "meta", debug, checkpoint.source.spec)
+            program = _trace(wrapper, shapes, cfg, "meta", debug, checkpoint.source.spec, experts)
             weights.attach(program.model)  # raises ValueError where the graph holds a value only torch had
         except (ExportError, ValueError) as exc:
             logging.getLogger(__name__).debug("traced again with the weights: %s", exc)
             weights.put_back(wrapper)
-            program = _trace(wrapper, shapes, cfg, "cpu", debug, checkpoint.source.spec)
+            program = _trace(wrapper, shapes, cfg, "cpu", debug, checkpoint.source.spec, experts)
             _weights_on_meta(wrapper)
         program.exported_program = None  # the FX graph and its symbolic shapes: not needed past here
         try:
@@ -156,8 +158,10 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     return saved_graph(folder, graph_interface(shapes, cfg.logits), shapes)
 
 
-def _trace(wrapper: Any, shapes: Shapes, cfg: ExportSpec, device: str, debug: bool, source: str) -> Any:
-    """torch.onnx's program for the wrapper with its weights on `device`, not yet optimized."""
+def _trace(wrapper: Any, shapes: Shapes, cfg: ExportSpec, device: str, debug: bool, source: str,
+           experts: int = 0) -> Any:
+    """torch.onnx's program for the wrapper with its weights on `device`, not yet optimized; `experts`:
+    how many mixture-of-experts layers it has (their op is translated to com.microsoft.MoE)."""
     import torch
 
     batch, seq, past, total = (torch.export.Dim(n) for n in ("batch", "seq", "past", "total"))
@@ -178,6 +182,7 @@ def _trace(wrapper: Any, shapes: Shapes, cfg: ExportSpec, device: str, debug: bo
                 opset_version=cfg.opset,
                 dynamo=True,
                 optimize=False,
+                custom_translation_table=moe.translation_table(dense=cfg.experts == "dense") if experts else None,
                 verbose=debug,
             )
     except Exception as exc:  # the exporter raises many unrelated types; all mean the same to a user

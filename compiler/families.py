@@ -82,7 +82,7 @@ FAMILIES: dict[str, Family] = {
     "starcoder2": Family("Starcoder2", notes="sliding window, LayerNorm, GELU MLP with bias"),
     # GPT-2: fused c_attn Conv1D, learned position table, LayerNorm + GELU; multi-head KV.
     "gpt2": Family("GPT-2", positions="learned", kv_heads_attrs=("n_head",), attention="eager"),
-    "mixtral": Family("Mixtral", refused=f"its mixture-of-experts routing does not export: {EXPERT_DISPATCH}"),
+    "mixtral": Family("Mixtral", notes="mixture of experts: softmax top-k, renormalized"),
     "bloom": Family("BLOOM", refused=ALIBI),
     "mpt": Family("MPT", refused=ALIBI),
 }
@@ -150,8 +150,6 @@ def generic_family(model_type: str | None, config: dict | None, file_keys: bool 
     if missing and not file_keys:
         raise refuse(f"its config has no {', '.join(missing)} (a row in compiler/families.py says where it keeps "
                      "them)")
-    if any(config.get(k) for k in EXPERT_KEYS):
-        raise refuse(f"it is a mixture of experts ({EXPERT_DISPATCH})")
     others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYER_TYPES)
     if others:
         raise refuse(f"its layers of type {', '.join(others)} hold no KV cache (only attention layers export)")

@@ -27,6 +27,7 @@ from runtime.files import read_utf8
 from .errors import CheckpointError, RecipeError, UnsupportedArchitecture
 from .families import Family, family_for, family_named, supported
 from .fp32_compute import compute_in_fp32
+from .moe import why_not_exportable
 from .recipe import ModelSpec
 
 # A causal LM head class ends in one of these; anything else (SequenceClassification, a bare
@@ -259,6 +260,10 @@ def load_checkpoint(spec: ModelSpec, keep_narrow_weights: bool = False) -> Check
     weights_kwargs = _weights_kwargs(source, spec)
     model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)},
                         keep_narrow_weights)
+    unexportable = why_not_exportable(model)
+    if unexportable:
+        raise UnsupportedArchitecture(f"model.source {spec.source}: its mixture-of-experts layers cannot be "
+                                      f"exported as ONNX Runtime's MoE op ({unexportable})")
     tokenizer = _load_tokenizer(source)
     return Checkpoint(source, _source_sha256(source), model, tokenizer, family)
 

@@ -44,6 +44,10 @@ class ExportSpec(_Strict):
     # `last` computes the LM head for the final position only: prefill then costs one vocab
     # projection per row instead of one per prompt token.
     logits: Literal["last", "all"] = "last"
+    # Mixture-of-experts layers: `moe` is ONNX Runtime's fused MoE op (each token through its k experts);
+    # `dense` runs every expert over every token in standard ONNX ops, the unfused form (for runtimes
+    # without the op, and to measure the op against).
+    experts: Literal["moe", "dense"] = "moe"
 
 
 MinOptMax = Annotated[list[Annotated[int, Field(ge=1)]], Field(min_length=3, max_length=3)]

@@ -40,7 +40,9 @@ def check_tensorrt_graph(model: Any) -> dict[str, Any]:
     problems = unsupported_ops(model)
     if problems:
         listed = "; ".join(f"{op} ({', '.join(sorted(why))})" for op, why in sorted(problems.items())[:4])
-        raise TensorRTIncompatible(f"TensorRT's ONNX parser cannot take this graph: {listed}")
+        hint = ("; its experts are ONNX Runtime's MoE op: compile with export.experts: dense for TensorRT"
+                if "com.microsoft::MoE" in problems else "")
+        raise TensorRTIncompatible(f"TensorRT's ONNX parser cannot take this graph: {listed}{hint}")
     return {"parser_table": TABLE_SOURCE, "unsupported": {}}
 
 

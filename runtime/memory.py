@@ -239,7 +239,14 @@ def config_interface(config: dict[str, Any], dtype: str) -> tuple[Interface, int
     vocab, inner = first("vocab_size", default=0), first("intermediate_size", "n_inner", default=4 * hidden)
     gated = config.get("model_type") not in ("gpt2", "gpt_neox", "gpt_bigcode", "phi", "falcon", "starcoder2")
     attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim
-    per_layer = attention + (3 if gated else 2) * hidden * inner + 2 * hidden
+    experts = first("num_local_experts", "num_experts", "n_routed_experts", default=0)
+    if experts:  # every expert is resident (each token runs k of them), beside the router and a shared expert
+        shared = first("shared_expert_intermediate_size", default=0)
+        mlp = experts * 3 * hidden * first("moe_intermediate_size", default=inner) + hidden * experts + \
+            (3 * hidden * shared + hidden if shared else 0)
+    else:
+        mlp = (3 if gated else 2) * hidden * inner
+    per_layer = attention + mlp + 2 * hidden
     tied = config.get("tie_word_embeddings", config.get("model_type") == "gpt2")
     parameters = vocab * hidden * (1 if tied else 2) + layers * per_layer + hidden
     item = np.dtype({"fp32": "float32", "fp16": "float16", "bf16": "float16"}[dtype]).itemsize

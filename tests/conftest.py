@@ -84,10 +84,11 @@ TINY_CONFIGS = {
     "granite": ("GraniteConfig", dict(_BASE, num_key_value_heads=2, embedding_multiplier=3.0,
                                       residual_multiplier=0.5, attention_multiplier=0.2, logits_scaling=4.0)),
     "starcoder2": ("Starcoder2Config", dict(_BASE, num_key_value_heads=2, sliding_window=8)),
+    # Mixture of experts: 4 experts, 2 a token, softmax routing renormalized (ONNX Runtime's MoE op).
+    "mixtral": ("MixtralConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
 }
 # Families in the table that are refused, with a tiny config that shows the refusal.
 REFUSED_CONFIGS = {
-    "mixtral": ("MixtralConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
     "mpt": ("MptConfig", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=256)),
 }
@@ -100,6 +101,15 @@ GENERIC_CONFIGS = {
     "smollm3": ("SmolLM3Config", dict(_BASE, num_key_value_heads=2, pad_token_id=EOS, no_rope_layer_interval=2)),
     "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8)),
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
+    # Mixtures of experts without a row (top-2 of 4 to 8 experts): Qwen2-MoE (a shared expert behind a
+    # sigmoid gate, not renormalized), Qwen3-MoE (renormalized, q/k norms), OLMoE (not renormalized,
+    # q/k norms) and PhiMoE (its sparse-mixer router, LayerNorm).
+    "qwen2_moe": ("Qwen2MoeConfig", dict(_BASE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                         moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "qwen3_moe": ("Qwen3MoeConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, num_experts=8,
+                                         num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "olmoe": ("OlmoeConfig", dict(_BASE, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)),
+    "phimoe": ("PhimoeConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

@@ -22,7 +22,13 @@ EXPECTED_FUSIONS = {
     "smollm3": {"rotary_embedding": 2, "group_query_attention": 2, "rms_normalization": 5, "skip_rms_normalization": 4},
     "gptj": {"rotary_embedding": 0, "group_query_attention": 2, "skip_layer_normalization": 2, "gelu": 2},
     "gpt_bigcode": {"group_query_attention": 2, "skip_layer_normalization": 5, "gelu": 2},
+    "qwen2_moe": {"rotary_embedding": 4, "group_query_attention": 2, "rms_normalization": 5},
+    "qwen3_moe": {"rotary_embedding": 4, "group_query_attention": 2, "rms_normalization": 9},
+    "olmoe": {"rotary_embedding": 4, "group_query_attention": 2, "rms_normalization": 9},
+    "phimoe": {"rotary_embedding": 4, "group_query_attention": 2, "skip_layer_normalization": 4},
 }
+# Each of their two layers' experts is one com.microsoft.MoE node (compiler/moe.py).
+MIXTURES_OF_EXPERTS = {"qwen2_moe", "qwen3_moe", "olmoe", "phimoe"}
 
 
 @pytest.mark.parametrize("model_type", sorted(GENERIC_CONFIGS))
@@ -37,6 +43,11 @@ def test_a_model_type_without_a_row_compiles_and_generates_as_transformers(model
     fused = manifest["variants"]["cpu-fp32"]
     # validated against eager and against the unfused graph by the compile itself
     assert {rule: fused["fusions"][rule] for rule in EXPECTED_FUSIONS[model_type]} == EXPECTED_FUSIONS[model_type]
+    if model_type in MIXTURES_OF_EXPERTS:
+        from tests.compiler.test_moe import op_counts
+
+        counts = op_counts(artifact / "variants" / "cpu-fp32" / "model.onnx")
+        assert counts["MoE"] == 2 and counts["NonZero"] == counts["Loop"] == 0
     generator = Generator.load(artifact, max_batch_size=8)
     # the last prompt holds token 0, whose embedding row is zero (padding_idx): an RMSNorm without its
     # epsilon turns it into NaN
@@ -69,7 +80,6 @@ def test_a_config_that_names_its_sizes_the_old_way_is_read_through_its_attribute
 
 @pytest.mark.parametrize("model_type, overrides, why", [
     ("mamba", {}, "its config has no num_attention_heads"),
-    ("qwen3_moe", {}, "it is a mixture of experts (torch.onnx cannot translate the data-dependent expert"),
     ("lfm2", {"num_hidden_layers": 2, "layer_types": ["conv", "full_attention"]}, "its layers of type conv hold no KV cache"),
     ("roformer", {"is_decoder": True}, "RoFormerForCausalLM does not go through transformers' attention interface"),
     ("t5", {}, "it is an encoder-decoder model"),
