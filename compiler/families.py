@@ -48,10 +48,6 @@ def falcon_cache_heads(config: Any) -> int:
     return 1 if config.multi_query else config.num_kv_heads
 
 
-# Why a mixture of experts is refused, with a row (Mixtral) or without (generic_family).
-EXPERT_DISPATCH = ("torch.onnx cannot translate the data-dependent expert dispatch (nonzero over the router's "
-                   "top-k) to ONNX")
-
 # Why a model with ALiBi position bias is refused, by its row (BLOOM, MPT) or by Falcon's config (alibi).
 ALIBI = ("its attention adds an ALiBi position bias, which Kiln's export does not build yet (BLOOM's and MPT's "
          "attention does not go through transformers' attention interface, and Falcon's computes the bias in "
@@ -125,19 +121,18 @@ def family_named(model_type: str | None, config: dict | None = None, file_keys: 
     return family
 
 
-# What a decoder's config must hold for the graph interface to be read without a row (Shapes), and
-# the keys that mark a mixture of experts (whose dispatch does not export; see Mixtral's row).
+# What a decoder's config must hold for the graph interface to be read without a row (Shapes).
 STANDARD_CONFIG_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size",
                         "max_position_embeddings")
-EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_num_experts")
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
 def generic_family(model_type: str | None, config: dict | None, file_keys: bool = False) -> Family:
     """A model type outside the table compiles as it is when its config is of the standard kind (the
-    shapes under transformers' usual names, attention layers only, no experts) and, checked once
-    transformers is loaded, its model class goes through AttentionInterface. The export validation
-    against eager and the fused-vs-unfused check then decide, as for every family."""
+    shapes under transformers' names, attention layers only) and, checked once transformers is
+    loaded, its model class goes through AttentionInterface and its experts, if any, are of the kind
+    ONNX Runtime's MoE op computes (compiler/moe.py). The export validation against eager and the
+    fused-vs-unfused check then decide, as for every family."""
     def refuse(why: str) -> UnsupportedArchitecture:
         return UnsupportedArchitecture(f"model type {model_type!r} is not in Kiln's family table and {why}; "
                                        f"supported families: {supported()}")
