@@ -173,8 +173,9 @@ def _weight_blocks(bits: int) -> Callable[..., Made]:
             rescoring += "; the head itself at 4 bits, re-rounded from its int8 source grid"
         if exact_rows is not None:
             _rescore_top_logits(model, exact_rows, spec.exact_top_logits)
+        experts = _quantize_experts(model, bits, spec.block_size)
         save_proto(model, folder)
-        notes = {"exact_top_logits": rescoring}
+        notes = {"exact_top_logits": rescoring, **({"experts": experts} if experts else {})}
         if spec.exclude_block_size:
             notes["kept_finer_blocks"] = [paths[n] for n in finer]
         return source.interface, sorted(on_grid), notes
@@ -578,6 +579,60 @@ QUANTIZERS: dict[tuple[str, str | None], Callable[..., Made]] = {
 
 
 # -- helpers ---------------------------------------------------------------------------------------
+
+def _quantize_experts(model: Any, bits: int, block_size: int) -> str | None:
+    """Each mixture-of-experts layer's MoE node (compiler/moe.py) -> ONNX Runtime's QMoE, its experts'
+    weights in symmetric blocks of `bits` along K (the op's default zero point, 2^(bits-1)), with
+    accuracy_level 4 as the MatMulNBits weights have. A note for the report; None without experts."""
+    from onnx import helper, numpy_helper
+
+    graph = model.graph
+    initializers = {tensor.name: tensor for tensor in graph.initializer}
+    converted, kept = 0, 0
+    for index, node in enumerate(list(graph.node)):
+        if node.op_type != "MoE" or node.domain != "com.microsoft":
+            continue
+        fc1, fc2 = (numpy_helper.to_array(initializers[node.input[i]]) for i in (2, 4))
+        if fc1.shape[2] % block_size or fc2.shape[2] % block_size:  # the op's blocks divide both sizes
+            kept += 1
+            continue
+        inputs = [node.input[0], node.input[1]]
+        for name, weight in ((node.input[2], fc1), (node.input[4], fc2)):
+            codes, scales = _expert_blocks(weight, bits, block_size)
+            graph.initializer.extend([numpy_helper.from_array(codes, f"{name}.q{bits}"),
+                                      numpy_helper.from_array(scales, f"{name}.scales")])
+            inputs += [f"{name}.q{bits}", f"{name}.scales", ""]  # no bias
+        attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        quantized = helper.make_node("QMoE", inputs[:-1], list(node.output), name=node.name, domain="com.microsoft",
+                                     expert_weight_bits=bits, block_size=block_size, accuracy_level=4,
+                                     **attributes)
+        graph.node.remove(node)
+        graph.node.insert(index, quantized)
+        converted += 1
+    if not converted and not kept:
+        return None
+    read = {name for n in graph.node for name in n.input}
+    for tensor in [t for t in graph.initializer if t.name not in read]:  # the experts' fp32 weights
+        graph.initializer.remove(tensor)
+    note = f"{converted} MoE layers as QMoE, {bits}-bit experts in blocks of {block_size}"
+    return note + (f"; {kept} kept fp32 (sizes not divisible by the block)" if kept else "")
+
+
+def _expert_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.ndarray, np.ndarray]:
+    """[experts, N, K] fp32 -> QMoE's raw codes [experts, N, K * bits / 8] (4-bit pairs low nibble first)
+    and scales [experts, N, K / block_size]: symmetric about 2^(bits-1)."""
+    experts, rows, columns = weight.shape
+    blocks = weight.reshape(experts, rows, columns // block_size, block_size).astype(np.float64)
+    top = 2 ** (bits - 1) - 1
+    scales = np.abs(blocks).max(axis=-1, keepdims=True) / top
+    scales[scales == 0] = 1.0
+    codes = (np.clip(np.rint(blocks / scales), -top, top) + 2 ** (bits - 1)).astype(np.uint8)
+    codes = codes.reshape(experts, rows, columns)
+    if bits == 4:
+        codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return np.ascontiguousarray(codes), scales.reshape(experts, rows, -1).astype(np.float32)
+
+
 
 def untie_transposed_weights(proto: Any, base_dir: str = "") -> None:
     """MatMul(x, Transpose(W)) with W an initializer -> MatMul(x, W^T) with W^T stored.

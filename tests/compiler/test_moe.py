@@ -98,3 +98,69 @@ def test_the_plan_from_a_config_counts_every_expert(tiny_checkpoints):
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
     parameters = sum(p.numel() for p in model.parameters())
     assert config_interface(config, "fp32")[1] == pytest.approx(4 * parameters, rel=0.01)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_quantized_experts_are_what_onnx_runtime_reads_back(bits):
+    """QMoE's codes and scales (compiler/quantize.py) against the MoE op over the same weights
+    dequantized in numpy: the layout (4-bit pairs, blocks along K) is the one ONNX Runtime reads. 8-bit
+    experts run with int8 activations (the op has no fp32 8-bit kernel), so they agree within those."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from compiler.quantize import _expert_blocks
+
+    rng = np.random.default_rng(0)
+    tokens, hidden, inter, experts, block = 7, 64, 96, 4, 32
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    fc2 = (rng.standard_normal((experts, hidden, inter)) * 0.2).astype(np.float32)
+    blocks = {name: _expert_blocks(w, bits, block) for name, w in (("fc1", fc1), ("fc2", fc2))}
+
+    def dequantized(codes, scales):
+        if bits == 4:
+            codes = np.stack([codes & 15, codes >> 4], axis=-1).reshape(*codes.shape[:-1], -1)
+        levels = codes.astype(np.float32) - 2 ** (bits - 1)
+        return (levels.reshape(*scales.shape, block) * scales[..., None]).reshape(levels.shape)
+
+    assert np.abs(dequantized(*blocks["fc1"]) - fc1).max() <= np.abs(fc1).max() / (2 ** (bits - 1) - 1)
+
+    def run(node, weights):
+        graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                  for n in ("x", "r")],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                                  initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        return session.run(None, {"x": x, "r": logits})[0]
+
+    routing = dict(k=2, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                   normalize_routing_weights=1)
+    reference = run(helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], domain="com.microsoft", **routing),
+                    {"w1": dequantized(*blocks["fc1"]), "w2": dequantized(*blocks["fc2"])})
+    quantized = run(helper.make_node("QMoE", ["x", "r", "q1", "s1", "", "q2", "s2"], ["y"], domain="com.microsoft",
+                                     expert_weight_bits=bits, block_size=block, accuracy_level=0, **routing),
+                    {"q1": blocks["fc1"][0], "s1": blocks["fc1"][1], "q2": blocks["fc2"][0], "s2": blocks["fc2"][1]})
+    tolerance = 1e-5 if bits == 4 else 0.03 * np.abs(reference).max()
+    assert np.abs(quantized - reference).max() <= tolerance
+
+
+def test_int8_and_int4_variants_run_their_experts_as_qmoe(tiny_checkpoints, tmp_path):
+    from compiler.pipeline import compile_recipe
+
+    recipe = tmp_path / "quantized.yaml"
+    recipe.write_text(f'name: quantized\nmodel: {{source: "{tiny_checkpoints["mixtral"]}"}}\n'
+                      "export: {opset: 18, max_context: 128, logits: last}\nvariants:\n"
+                      "  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic}}\n"
+                      "  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4}}\n")
+    artifact = compile_recipe(recipe, tmp_path / "quantized")  # the recipe's accuracy gates held
+    for variant in ("cpu-int8", "cpu-int4"):
+        counts = op_counts(artifact / "variants" / variant / "model.onnx")
+        assert counts["QMoE"] == 2 and counts["MoE"] == 0
+        generator = Generator.load(artifact, variant, max_batch_size=8)
+        prompt_ids = [generator.encode(p) for p in PROMPTS]
+        batched = generator.generate(prompt_ids, SamplingParams(max_new_tokens=12))
+        alone = [generator.generate([p], SamplingParams(max_new_tokens=12))[0] for p in prompt_ids]
+        assert [r.token_ids for r in batched] == [r.token_ids for r in alone]
