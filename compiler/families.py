@@ -108,8 +108,8 @@ def config_values(config: Any) -> dict[str, Any]:
 def family_named(model_type: str | None, config: dict | None = None, file_keys: bool = False) -> Family:
     """The row of a config's model_type; for another type with its config (`config`: config_values), the
     generic row or UnsupportedArchitecture naming it and what is missing. `file_keys`: config is
-    config.json as written, before transformers reads it, so sizes it names the old way are left for
-    the loaded config to answer."""
+    config.json as written, before transformers reads it: sizes under their older names
+    (OLD_CONFIG_NAMES) count, and the loaded config answers for them."""
     family = FAMILIES.get(model_type)
     if family is None:
         return generic_family(model_type, config, file_keys)
@@ -124,6 +124,11 @@ def family_named(model_type: str | None, config: dict | None = None, file_keys: 
 # What a decoder's config must hold for the graph interface to be read without a row (Shapes).
 STANDARD_CONFIG_KEYS = ("num_hidden_layers", "num_attention_heads", "hidden_size", "vocab_size",
                         "max_position_embeddings")
+# The older names config.json files use for them, which the config classes map (attribute_map): the check
+# before loading (config.json alone, no transformers) takes them as present, the loaded config decides.
+OLD_CONFIG_NAMES = {"num_hidden_layers": ("n_layer", "n_layers", "num_layers"),
+                    "num_attention_heads": ("n_head", "n_heads", "num_heads"),
+                    "hidden_size": ("n_embd", "d_model"), "max_position_embeddings": ("n_positions", "max_seq_len")}
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
 
 
@@ -141,8 +146,9 @@ def generic_family(model_type: str | None, config: dict | None, file_keys: bool 
         raise refuse("its config could not be read")
     if config.get("is_encoder_decoder"):
         raise refuse("it is an encoder-decoder model (Kiln compiles decoder-only language models)")
-    missing = [k for k in STANDARD_CONFIG_KEYS if not isinstance(config.get(k), int)]
-    if missing and not file_keys:
+    names = {key: (key, *OLD_CONFIG_NAMES.get(key, ())) if file_keys else (key,) for key in STANDARD_CONFIG_KEYS}
+    missing = [k for k in STANDARD_CONFIG_KEYS if not any(isinstance(config.get(n), int) for n in names[k])]
+    if missing:
         raise refuse(f"its config has no {', '.join(missing)} (a row in compiler/families.py says where it keeps "
                      "them)")
     others = sorted(set(config.get("layer_types") or ()) - ATTENTION_LAYER_TYPES)
