@@ -148,6 +148,7 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
         try:
             with small_constants_kept():
                 program.optimize()
+            widen_bf16_arithmetic(program.model)
             program.save(str(folder / MODEL_FILE), external_data=True)
         except Exception as exc:  # onnxscript's rewriter and onnx_ir raise many types; all mean the same
             raise _export_error(exc, checkpoint.source.spec) from exc
@@ -156,6 +157,41 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     finally:
         scratch.unlink(missing_ok=True)
     return saved_graph(folder, graph_interface(shapes, cfg.logits), shapes)
+
+
+# Elementwise ops ONNX Runtime's CPU provider has no bfloat16 kernel for.
+BF16_ARITHMETIC = ("Add", "Sub", "Mul", "Div")
+
+
+def widen_bf16_arithmetic(model: Any) -> int:
+    """Elementwise arithmetic a model does in bfloat16 (Falcon's ALiBi slopes times positions) computed in
+    fp32 and rounded back to bfloat16: the same numbers, since the exact fp32 result of two bfloat16
+    operands rounds as torch's bfloat16 op rounds it, and ONNX Runtime's CPU provider has no bfloat16
+    Mul. Returns how many nodes were widened."""
+    import onnx_ir as ir
+
+    widened = 0
+    for node in list(model.graph):
+        if node.domain not in ("", "ai.onnx") or node.op_type not in BF16_ARITHMETIC:
+            continue
+        result = node.outputs[0]
+        if result.dtype != ir.DataType.BFLOAT16:
+            continue
+        for index, operand in enumerate(node.inputs):
+            up = ir.node("Cast", [operand], {"to": ir.DataType.FLOAT}, name=f"{node.name}_widen_{index}")
+            up.outputs[0].dtype = ir.DataType.FLOAT
+            up.outputs[0].shape = operand.shape
+            model.graph.insert_before(node, up)
+            node.replace_input_with(index, up.outputs[0])
+        down = ir.node("Cast", [result], {"to": ir.DataType.BFLOAT16}, name=f"{node.name}_round")
+        down.outputs[0].dtype, down.outputs[0].shape = ir.DataType.BFLOAT16, result.shape
+        for usage in list(result.uses()):
+            if usage.node is not down:
+                usage.node.replace_input_with(usage.idx, down.outputs[0])
+        result.dtype = ir.DataType.FLOAT
+        model.graph.insert_after(node, down)
+        widened += 1
+    return widened
 
 
 def _trace(wrapper: Any, shapes: Shapes, cfg: ExportSpec, device: str, debug: bool, source: str,
