@@ -29,9 +29,10 @@ IGNORED_KWARGS = {"position_ids", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_
 
 def grouped_attention(module: Any, query: Any, key: Any, value: Any, attention_mask: Any, scaling: float,
                       dropout: float = 0.0, softcap: float | None = None, sliding_window: int | None = None,
-                      **kwargs: Any) -> tuple[Any, None]:
+                      s_aux: Any = None, **kwargs: Any) -> tuple[Any, None]:
     """`sliding_window` is applied by the mask transformers builds for the layer; `softcap` (Gemma 2)
-    as its eager attention does: scores / cap, tanh, * cap, before the mask."""
+    as its eager attention does: scores / cap, tanh, * cap, before the mask; `s_aux` (GPT-OSS's
+    attention sinks, a logit a query head) joins each row's softmax as one more column, then is dropped."""
     import torch
 
     unknown = sorted(k for k, v in kwargs.items() if v is not None and k not in IGNORED_KWARGS)
@@ -48,7 +49,14 @@ def grouped_attention(module: Any, query: Any, key: Any, value: Any, attention_m
         mask = attention_mask[:, :, :, :total].unsqueeze(2)  # [b, 1, 1, s, t], shared by the group
         scores = scores.reshape(batch, kv_heads, group, seq, total) + mask
         scores = scores.reshape(batch, kv_heads, group * seq, total)
-    weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    if s_aux is not None:
+        sinks = s_aux.reshape(1, kv_heads, group, 1, 1).to(scores.dtype)
+        scores = scores.reshape(batch, kv_heads, group, seq, total)
+        scores = torch.cat([scores, sinks.expand(batch, kv_heads, group, seq, 1)], dim=-1)
+        weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32)[..., :total]
+        weights = weights.reshape(batch, kv_heads, group * seq, total).to(query.dtype)
+    else:
+        weights = torch.nn.functional.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
     output = torch.matmul(weights, value).reshape(batch, heads, seq, head_dim)
     return output.transpose(1, 2).contiguous(), None
 

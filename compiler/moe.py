@@ -14,8 +14,11 @@ renormalized), so it is given routing logits that reproduce the family's weights
     logits = log(w) at the k chosen experts, -inf elsewhere  ->  softmax = w / sum(w)
     output = MoE(x, logits, k) * sum(w)
 
-The gate and up projections are interleaved row by row ([g0, u0, g1, u1, ...]: the layout ONNX Runtime's
-CPU kernel takes, `swiglu_fusion=1`) in the weights themselves before the export.
+The weights are put in the op's layout in place before the export: [experts, out, in], the gate and up
+rows interleaved ([g0, u0, g1, u1, ...]: what ONNX Runtime's CPU kernel takes, `swiglu_fusion=1`).
+The op's SwiGLU, G * sigmoid(alpha * G) * (L + beta) with G and L optionally clamped, covers SiLU-gated
+experts (alpha 1, beta 0) and GPT-OSS's clamped one (1.702, 1, 7); which one a module computes is
+checked on its own gate function, numerically, not read from its class name.
 """
 
 from __future__ import annotations
@@ -23,28 +26,40 @@ from __future__ import annotations
 from typing import Any
 
 NAME = "kiln_moe"
-INTERLEAVED = "_kiln_interleaved"  # set on an experts module whose gate_up_proj rows are interleaved
+OP_LAYOUT = "_kiln_op_layout"  # set on an experts module whose weights are already in the op's layout
+
+
+def gate_parameters(module: Any) -> tuple[float, float, float | None] | None:
+    """The (alpha, beta, limit) of the MoE op's SwiGLU that the module's gate function computes, found by
+    running it on its own layout (concatenated or interleaved halves) with values large enough to reach a
+    clamp; None where it is no such SwiGLU (a GELU gate, say)."""
+    import torch
+
+    candidates = [(1.0, 0.0, None)]
+    alpha, limit = getattr(module, "alpha", None), getattr(module, "limit", None)
+    if isinstance(alpha, int | float) and isinstance(limit, int | float):
+        candidates.append((float(alpha), 1.0, float(limit)))
+    generator = torch.Generator().manual_seed(0)
+    gate, up = (torch.randn(4, 16, generator=generator) * 10 for _ in range(2))
+    packed = torch.cat([gate, up], -1) if module.is_concatenated else torch.stack([gate, up], -1).reshape(4, 32)
+    with torch.no_grad():
+        got = module._apply_gate(packed)
+    for alpha, beta, limit in candidates:
+        clamped_gate = gate if limit is None else gate.clamp(max=limit)
+        clamped_up = up if limit is None else up.clamp(-limit, limit)
+        if torch.allclose(got, clamped_gate * torch.sigmoid(alpha * clamped_gate) * (clamped_up + beta), atol=1e-5):
+            return alpha, beta, limit
+    return None
 
 
 def _check(module: Any) -> str | None:
-    """Why these experts cannot be the MoE op (None: they can): ONNX Runtime's CPU kernel computes
-    SwiGLU experts without biases, stored [experts, out, in]."""
-    import torch
-    from transformers.activations import SiLUActivation
-    from transformers.integrations.moe import _default_apply_gate
-
-    if not getattr(module, "has_gate", False) or not hasattr(module, "gate_up_proj"):
+    """Why these experts cannot be the MoE op (None: they can)."""
+    if not module.has_gate:
         return "experts without a gate projection"
-    if getattr(module, "has_bias", False):
-        return "experts with biases"
-    if getattr(module, "is_transposed", False) or not getattr(module, "is_concatenated", True):
-        return "experts stored transposed or interleaved"
     if getattr(module, "has_post_expert_norm", False):
         return "a norm after each expert"
-    if type(module)._apply_gate is not _default_apply_gate:
-        return "a gate function of its own"
-    if not isinstance(getattr(module, "act_fn", None), torch.nn.SiLU | SiLUActivation):
-        return f"a {type(getattr(module, 'act_fn', None)).__name__} gate (the MoE op's SwiGLU takes SiLU)"
+    if gate_parameters(module) is None:
+        return "a gate that is not a SwiGLU, clamped or not"
     return None
 
 
@@ -60,38 +75,65 @@ def why_not_exportable(model: Any) -> str | None:
 
 
 def interleave(gate_up: Any) -> Any:
-    """[experts, 2 * inter, hidden] as [gate | up] -> [g0, u0, g1, u1, ...] along the rows."""
-    experts, rows, hidden = gate_up.shape
-    return gate_up.reshape(experts, 2, rows // 2, hidden).transpose(1, 2).reshape(experts, rows, hidden)
+    """[experts, 2 * inter, ...] as [gate | up] -> [g0, u0, g1, u1, ...] along dimension 1."""
+    experts, rows, *rest = gate_up.shape
+    return gate_up.reshape(experts, 2, rows // 2, *rest).transpose(1, 2).reshape(gate_up.shape)
+
+
+def op_layout(module: Any) -> tuple[Any, Any, Any, Any]:
+    """The module's fc1 [experts, 2 * inter, hidden] (gate and up interleaved), fc2 [experts, hidden,
+    inter] and their biases (or None), as the MoE op takes them."""
+    fc1, fc2 = module.gate_up_proj, module.down_proj
+    bias1 = module.gate_up_proj_bias if module.has_bias else None
+    bias2 = module.down_proj_bias if module.has_bias else None
+    if getattr(module, OP_LAYOUT, False):
+        return fc1, fc2, bias1, bias2
+    if module.is_transposed:  # stored [experts, in, out]
+        fc1, fc2 = fc1.transpose(1, 2), fc2.transpose(1, 2)
+    if module.is_concatenated:
+        fc1 = interleave(fc1)
+        bias1 = None if bias1 is None else interleave(bias1)
+    return fc1, fc2, bias1, bias2
 
 
 def prepare_for_export(model: Any) -> int:
-    """Interleave each experts module's gate and up rows in place (what the MoE op reads) and route its
-    forward through `kiln::moe_experts`; the number of experts modules."""
+    """Put each experts module's weights in the op's layout in place and route its forward through
+    `kiln::moe_experts`; the number of experts modules."""
     import torch
 
     modules = experts_modules(model)
     if modules:
         register()
     for module in modules:
-        if not getattr(module, INTERLEAVED, False):
+        if not getattr(module, OP_LAYOUT, False):
+            laid_out = op_layout(module)
             with torch.no_grad():
-                module.gate_up_proj.data = interleave(module.gate_up_proj.data).contiguous()
-            setattr(module, INTERLEAVED, True)
+                for name, tensor in zip(("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"),
+                                        laid_out, strict=True):
+                    if tensor is not None:
+                        getattr(module, name).data = tensor.detach().contiguous()
+            module._kiln_gate = gate_parameters(module)
+            setattr(module, OP_LAYOUT, True)
         module.config._experts_implementation = NAME
     return len(modules)
 
 
-def moe_experts_reference(x: Any, top_k_index: Any, top_k_weights: Any, fc1: Any, fc2: Any) -> Any:
-    """What the MoE op computes, in torch: each token through its chosen experts (fc1 interleaved),
-    weighted and summed. Dense over the experts, for the eager path and the fake tensor's shape."""
+def moe_experts_reference(x: Any, top_k_index: Any, top_k_weights: Any, fc1: Any, fc2: Any, fc1_bias: Any,
+                          fc2_bias: Any, alpha: float, beta: float, limit: float | None) -> Any:
+    """What the MoE op computes, in torch: each token through its chosen experts (the op's layout),
+    weighted and summed. For the eager path and the fake tensor's shape."""
     import torch
 
-    selected_fc1 = fc1[top_k_index]  # [tokens, k, 2 * inter, hidden]
-    projected = torch.einsum("tkoh,th->tko", selected_fc1, x)
+    projected = torch.einsum("tkoh,th->tko", fc1[top_k_index], x)
+    if fc1_bias is not None:
+        projected = projected + fc1_bias[top_k_index]
     gate, up = projected[..., 0::2], projected[..., 1::2]
-    hidden = torch.nn.functional.silu(gate) * up
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    hidden = gate * torch.sigmoid(alpha * gate) * (up + beta)
     out = torch.einsum("tkhi,tki->tkh", fc2[top_k_index], hidden)
+    if fc2_bias is not None:
+        out = out + fc2_bias[top_k_index]
     return (out * top_k_weights.unsqueeze(-1).to(out.dtype)).sum(dim=1)
 
 
@@ -109,16 +151,17 @@ def _moe_schema() -> Any:
     return OpSchema(
         "MoE", "com.microsoft", 1,
         inputs=[tensor("input"), tensor("router_probs"), tensor("fc1_experts_weights"),
-                tensor("fc1_experts_bias", True), tensor("fc2_experts_weights")],
+                tensor("fc1_experts_bias", True), tensor("fc2_experts_weights"), tensor("fc2_experts_bias", True)],
         outputs=[tensor("output")],
         type_constraints=[("T", ["tensor(float)", "tensor(float16)"], "")],
         attributes=[attribute("k", kinds.INT, ""), attribute("activation_type", kinds.STRING, ""),
                     attribute("swiglu_fusion", kinds.INT, ""), attribute("activation_alpha", kinds.FLOAT, ""),
-                    attribute("activation_beta", kinds.FLOAT, ""),
+                    attribute("activation_beta", kinds.FLOAT, ""), attribute("swiglu_limit", kinds.FLOAT, ""),
                     attribute("normalize_routing_weights", kinds.INT, "")])
 
 
-SCHEMA = "(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor fc1, Tensor fc2, int k) -> Tensor"
+SCHEMA = ("(Tensor x, Tensor top_k_index, Tensor top_k_weights, Tensor fc1, Tensor fc2, Tensor? fc1_bias, "
+          "Tensor? fc2_bias, int k, float alpha, float beta, float? limit) -> Tensor")
 _registered = False
 
 
@@ -131,17 +174,18 @@ def register() -> str:
     from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
     @torch.library.custom_op("kiln::moe_experts", mutates_args=(), schema=SCHEMA)
-    def moe_experts(x, top_k_index, top_k_weights, fc1, fc2, k):
-        return moe_experts_reference(x, top_k_index, top_k_weights, fc1, fc2)
+    def moe_experts(x, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, k, alpha, beta, limit):
+        return moe_experts_reference(x, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, alpha, beta, limit)
 
     @moe_experts.register_fake
-    def _(x, top_k_index, top_k_weights, fc1, fc2, k):
+    def _(x, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, k, alpha, beta, limit):
         return torch.empty_like(x)
 
     def experts_forward(module: Any, hidden_states: Any, top_k_index: Any, top_k_weights: Any) -> Any:
-        fc1 = module.gate_up_proj if getattr(module, INTERLEAVED, False) else interleave(module.gate_up_proj)
-        out = torch.ops.kiln.moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype),
-                                         fc1, module.down_proj, top_k_index.shape[-1])
+        fc1, fc2, fc1_bias, fc2_bias = op_layout(module)
+        alpha, beta, limit = getattr(module, "_kiln_gate", None) or gate_parameters(module)
+        out = torch.ops.kiln.moe_experts(hidden_states, top_k_index, top_k_weights.to(hidden_states.dtype), fc1, fc2,
+                                         fc1_bias, fc2_bias, top_k_index.shape[-1], alpha, beta, limit)
         return out.to(hidden_states.dtype)
 
     ALL_EXPERTS_FUNCTIONS.register(NAME, experts_forward)
@@ -159,25 +203,36 @@ def translation_table(dense: bool = False) -> dict[Any, Any]:
     register()
     moe_op = values.Op(values.Opset("com.microsoft", 1), "MoE", _moe_schema())
 
-    def routing(top_k_index, top_k_weights, x, fc1, fill: float, values_at_k):
+    def routing(top_k_index, x, fc1, fill: float, values_at_k):
         """[tokens, experts]: values_at_k at each token's chosen experts, `fill` elsewhere."""
         tokens, experts = op.Shape(x, start=0, end=1), op.Shape(fc1, start=0, end=1)
         blank = op.Expand(op.Constant(value_float=fill), op.Concat(tokens, experts, axis=0))
         return op.ScatterElements(blank, top_k_index, values_at_k, axis=1)
 
-    def fused(x, top_k_index, top_k_weights, fc1, fc2, k: int):
-        logits = routing(top_k_index, top_k_weights, x, fc1, float("-inf"), op.Log(top_k_weights))
-        routed = moe_op(x, logits, fc1, None, fc2, k=k, activation_type="swiglu", swiglu_fusion=1,
-                        activation_alpha=1.0, activation_beta=0.0, normalize_routing_weights=0)
+    def fused(x, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, k: int, alpha: float, beta: float,
+              limit: float | None):
+        logits = routing(top_k_index, x, fc1, float("-inf"), op.Log(top_k_weights))
+        clamp = {} if limit is None else {"swiglu_limit": limit}
+        routed = moe_op(x, logits, fc1, fc1_bias, fc2, fc2_bias, k=k, activation_type="swiglu", swiglu_fusion=1,
+                        activation_alpha=alpha, activation_beta=beta, normalize_routing_weights=0, **clamp)
         return op.Mul(routed, op.ReduceSum(top_k_weights, op.Constant(value_ints=[1]), keepdims=1))
 
-    def unfused(x, top_k_index, top_k_weights, fc1, fc2, k: int):
-        weights = routing(top_k_index, top_k_weights, x, fc1, 0.0, top_k_weights)  # [tokens, experts]
+    def unfused(x, top_k_index, top_k_weights, fc1, fc2, fc1_bias, fc2_bias, k: int, alpha: float, beta: float,
+                limit: float | None):
+        weights = routing(top_k_index, x, fc1, 0.0, top_k_weights)  # [tokens, experts]
         projected = op.Einsum(x, fc1, equation="th,eoh->eto")  # [experts, tokens, 2 * inter], interleaved
+        if fc1_bias is not None:
+            projected = op.Add(projected, op.Unsqueeze(fc1_bias, op.Constant(value_ints=[1])))
         pairs = op.Reshape(projected, op.Constant(value_ints=[0, 0, -1, 2]))
         gate, up = op.Split(pairs, axis=3, num_outputs=2)
-        hidden = op.Squeeze(op.Mul(op.Mul(gate, op.Sigmoid(gate)), up), op.Constant(value_ints=[3]))
-        out = op.Einsum(hidden, fc2, equation="eti,ehi->eth")
+        if limit is not None:
+            gate = op.Min(gate, op.Constant(value_float=limit))
+            up = op.Clip(up, op.Constant(value_float=-limit), op.Constant(value_float=limit))
+        activated = op.Mul(op.Mul(gate, op.Sigmoid(op.Mul(gate, op.Constant(value_float=alpha)))),
+                           op.Add(up, op.Constant(value_float=beta)))
+        out = op.Einsum(op.Squeeze(activated, op.Constant(value_ints=[3])), fc2, equation="eti,ehi->eth")
+        if fc2_bias is not None:
+            out = op.Add(out, op.Unsqueeze(fc2_bias, op.Constant(value_ints=[1])))
         scale = op.Unsqueeze(op.Transpose(weights, perm=[1, 0]), op.Constant(value_ints=[2]))
         return op.ReduceSum(op.Mul(out, scale), op.Constant(value_ints=[0]), keepdims=0)
 

@@ -597,13 +597,16 @@ def _quantize_experts(model: Any, bits: int, block_size: int) -> str | None:
             kept += 1
             continue
         inputs = [node.input[0], node.input[1]]
-        for name, weight in ((node.input[2], fc1), (node.input[4], fc2)):
+        biases = [node.input[i] if len(node.input) > i else "" for i in (3, 5)]  # MoE's fc1 and fc2 biases
+        for name, weight, bias in ((node.input[2], fc1, biases[0]), (node.input[4], fc2, biases[1])):
             codes, scales = _expert_blocks(weight, bits, block_size)
             graph.initializer.extend([numpy_helper.from_array(codes, f"{name}.q{bits}"),
                                       numpy_helper.from_array(scales, f"{name}.scales")])
-            inputs += [f"{name}.q{bits}", f"{name}.scales", ""]  # no bias
+            inputs += [f"{name}.q{bits}", f"{name}.scales", bias]
+        while not inputs[-1]:
+            inputs.pop()
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        quantized = helper.make_node("QMoE", inputs[:-1], list(node.output), name=node.name, domain="com.microsoft",
+        quantized = helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain="com.microsoft",
                                      expert_weight_bits=bits, block_size=block_size, accuracy_level=4,
                                      **attributes)
         graph.node.remove(node)

@@ -103,13 +103,19 @@ GENERIC_CONFIGS = {
     "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
     # Mixtures of experts without a row (top-2 of 4 to 8 experts): Qwen2-MoE (a shared expert behind a
     # sigmoid gate, not renormalized), Qwen3-MoE (renormalized, q/k norms), OLMoE (not renormalized,
-    # q/k norms) and PhiMoE (its sparse-mixer router, LayerNorm).
+    # q/k norms), PhiMoE (its sparse-mixer router, LayerNorm) and GPT-OSS.
     "qwen2_moe": ("Qwen2MoeConfig", dict(_BASE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, shared_expert_intermediate_size=48)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, num_experts=8,
                                          num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
     "olmoe": ("OlmoeConfig", dict(_BASE, num_key_value_heads=2, num_experts=8, num_experts_per_tok=2)),
     "phimoe": ("PhimoeConfig", dict(_BASE, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)),
+    # GPT-OSS: biased experts stored transposed and interleaved, a clamped SwiGLU (alpha 1.702, +1 on the up
+    # half), softmax over the top-k logits, attention sinks, alternating sliding-window layers.
+    "gpt_oss": ("GptOssConfig", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                                     sliding_window=8, layer_types=["sliding_attention", "full_attention"],
+                                     max_position_embeddings=256)),
 }
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"

@@ -26,9 +26,11 @@ EXPECTED_FUSIONS = {
     "qwen3_moe": {"rotary_embedding": 4, "group_query_attention": 2, "rms_normalization": 9},
     "olmoe": {"rotary_embedding": 4, "group_query_attention": 2, "rms_normalization": 9},
     "phimoe": {"rotary_embedding": 4, "group_query_attention": 2, "skip_layer_normalization": 4},
+    # its attention sinks keep attention unfused (GroupQueryAttention takes none here)
+    "gpt_oss": {"group_query_attention": 0, "rms_normalization": 5, "skip_rms_normalization": 4},
 }
 # Each of their two layers' experts is one com.microsoft.MoE node (compiler/moe.py).
-MIXTURES_OF_EXPERTS = {"qwen2_moe", "qwen3_moe", "olmoe", "phimoe"}
+MIXTURES_OF_EXPERTS = {"qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss"}
 
 
 @pytest.mark.parametrize("model_type", sorted(GENERIC_CONFIGS))

@@ -68,20 +68,22 @@ def test_the_moe_op_equals_every_expert_run_densely(tiny_artifacts, tiny_checkpo
 
 
 def test_experts_the_moe_op_cannot_compute_are_refused_in_one_line(tmp_path):
-    """GPT-OSS's experts have biases, are stored transposed and gate with a clamped SwiGLU of their own."""
+    """The op's experts are SwiGLUs (clamped or not): a Mixtral whose experts gate with GELU is refused
+    after loading, in one line that says so, not exported wrong."""
     import torch
     import transformers
 
-    config = transformers.GptOssConfig(hidden_size=64, intermediate_size=32, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                                       num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                                       layer_types=["sliding_attention", "full_attention"], vocab_size=100,
-                                       max_position_embeddings=256)
+    from tests.conftest import EOS, VOCAB
+
+    config = transformers.MixtralConfig(vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, hidden_size=64,
+                                        intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2,
+                                        max_position_embeddings=256, hidden_act="gelu")
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     build_tokenizer(tmp_path)
     with pytest.raises(UnsupportedArchitecture, match=r"its mixture-of-experts layers cannot be exported as ONNX "
-                                                      r"Runtime's MoE op \(.*experts with biases") as refused:
+                                                      r"Runtime's MoE op \(a gate that is not a SwiGLU") as refused:
         load_checkpoint(ModelSpec(source=str(tmp_path)))
     assert "\n" not in str(refused.value)
 
