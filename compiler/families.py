@@ -85,6 +85,22 @@ FAMILIES: dict[str, Family] = {
 }
 
 
+def phimoe_rotary(config: dict) -> str | None:
+    """PhiMoE's rotary (transformers' PhimoeRotaryEmbedding) chooses its long or short scale with a Python
+    `if` on the positions' maximum, which torch.export cannot trace (Phi-3's longrope does it with
+    torch.where and exports); only its default rotary compiles."""
+    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
+    kind = rope.get("rope_type") or rope.get("type") if isinstance(rope, dict) else None
+    if kind in (None, "default"):
+        return None
+    return (f"its {kind} rotary picks its scale by a Python branch on the positions at run time, which "
+            "torch.export cannot trace (Phi-3.5-MoE's checkpoints use it)")
+
+
+# Configurations of a model type the export cannot take: a function of the config's values -> why (None: fine).
+CONFIG_REFUSALS: dict[str, Callable[[dict], str | None]] = {"phimoe": phimoe_rotary}
+
+
 def supported() -> str:
     return ", ".join(f"{f.name} ({key})" for key, f in FAMILIES.items() if f.refused is None)
 
@@ -111,6 +127,10 @@ def family_named(model_type: str | None, config: dict | None = None, file_keys: 
     generic row or UnsupportedArchitecture naming it and what is missing. `file_keys`: config is
     config.json as written, before transformers reads it: sizes under their older names
     (OLD_CONFIG_NAMES) count, and the loaded config answers for them."""
+    refusal = CONFIG_REFUSALS.get(model_type)
+    reason = refusal(config) if refusal is not None and config else None
+    if reason:
+        raise UnsupportedArchitecture(f"model type {model_type!r} is refused: {reason}")
     family = FAMILIES.get(model_type)
     if family is None:
         return generic_family(model_type, config, file_keys)

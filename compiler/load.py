@@ -257,15 +257,33 @@ def load_checkpoint(spec: ModelSpec, keep_narrow_weights: bool = False) -> Check
         config = _load_config(source)
         _check_is_causal_lm(source, getattr(config, "architectures", None))
     family = family_for(config)
-    weights_kwargs = _weights_kwargs(source, spec)
-    model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)},
-                        keep_narrow_weights)
-    unexportable = why_not_exportable(model)
+    unexportable = _unexportable_experts(config)
     if unexportable:
         raise UnsupportedArchitecture(f"model.source {spec.source}: its mixture-of-experts layers cannot be "
                                       f"exported as ONNX Runtime's MoE op ({unexportable})")
+    weights_kwargs = _weights_kwargs(source, spec)
+    model = _load_model(source, config, {**weights_kwargs, "attn_implementation": attention_for_export(family)},
+                        keep_narrow_weights)
     tokenizer = _load_tokenizer(source)
     return Checkpoint(source, _source_sha256(source), model, tokenizer, family)
+
+
+# Config attributes that give a mixture of experts' expert count (whichever its family uses).
+EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
+def _unexportable_experts(config: Any) -> str | None:
+    """Why the model's experts cannot be the MoE op (compiler/moe.py), found on the model built from its
+    config on the meta device, before a weight is read; None for a model without experts."""
+    if not any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 0
+               for name in EXPERT_COUNT_ATTRIBUTES):
+        return None
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(config)
+    return why_not_exportable(skeleton)
 
 
 def _load_config(source: Source, **kwargs: Any) -> Any:

@@ -14,6 +14,10 @@ renormalized), so it is given routing logits that reproduce the family's weights
     logits = log(w) at the k chosen experts, -inf elsewhere  ->  softmax = w / sum(w)
     output = MoE(x, logits, k) * sum(w)
 
+That holds for weights w >= 0, which every router Kiln has met gives (softmax or sigmoid scores,
+renormalized or not); a router with learned signed scales would need `export.experts: dense`, and the
+validation against eager is what would catch one.
+
 The weights are put in the op's layout in place before the export: [experts, out, in], the gate and up
 rows interleaved ([g0, u0, g1, u1, ...]: what ONNX Runtime's CPU kernel takes, `swiglu_fusion=1`).
 The op's SwiGLU, G * sigmoid(alpha * G) * (L + beta) with G and L optionally clamped, covers SiLU-gated

@@ -586,9 +586,11 @@ def _quantize_experts(model: Any, bits: int, block_size: int) -> str | None:
     accuracy_level 4 as the MatMulNBits weights have. A note for the report; None without experts."""
     from onnx import helper, numpy_helper
 
+    from .optimize import _names_read
+
     graph = model.graph
     initializers = {tensor.name: tensor for tensor in graph.initializer}
-    converted, kept = 0, 0
+    converted, kept, replaced = 0, 0, set()
     for index, node in enumerate(list(graph.node)):
         if node.op_type != "MoE" or node.domain != "com.microsoft":
             continue
@@ -606,18 +608,21 @@ def _quantize_experts(model: Any, bits: int, block_size: int) -> str | None:
         while not inputs[-1]:
             inputs.pop()
         attributes = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        # weights_prepacked 0: the raw [experts, N, K * bits / 8] codes written here, not a provider's layout
         quantized = helper.make_node("QMoE", inputs, list(node.output), name=node.name, domain="com.microsoft",
                                      expert_weight_bits=bits, block_size=block_size, accuracy_level=4,
-                                     **attributes)
+                                     weights_prepacked=0, **attributes)
         graph.node.remove(node)
         graph.node.insert(index, quantized)
+        replaced |= {node.input[2], node.input[4]}
         converted += 1
     if not converted and not kept:
         return None
-    read = {name for n in graph.node for name in n.input}
-    for tensor in [t for t in graph.initializer if t.name not in read]:  # the experts' fp32 weights
+    read = _names_read(graph) | {output.name for output in graph.output}
+    for tensor in [t for t in graph.initializer if t.name in replaced - read]:  # the experts' fp32 weights
         graph.initializer.remove(tensor)
-    note = f"{converted} MoE layers as QMoE, {bits}-bit experts in blocks of {block_size}"
+    note = (f"{converted} MoE layers as QMoE, {bits}-bit experts in symmetric blocks of {block_size}, rounded to "
+            "the nearest level (exclude, rounding: gptq and smoothing apply to the MatMul weights only)")
     return note + (f"; {kept} kept fp32 (sizes not divisible by the block)" if kept else "")
 
 

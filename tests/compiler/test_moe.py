@@ -82,10 +82,28 @@ def test_experts_the_moe_op_cannot_compute_are_refused_in_one_line(tmp_path):
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
     build_tokenizer(tmp_path)
+    (tmp_path / "model.safetensors").unlink()  # refused before a weight is read: none is needed
     with pytest.raises(UnsupportedArchitecture, match=r"its mixture-of-experts layers cannot be exported as ONNX "
                                                       r"Runtime's MoE op \(a gate that is not a SwiGLU") as refused:
         load_checkpoint(ModelSpec(source=str(tmp_path)))
     assert "\n" not in str(refused.value)
+
+
+def test_phimoe_with_longrope_is_refused_before_loading(tmp_path):
+    """Phi-3.5-MoE's longrope rotary branches in Python on the positions (torch.export cannot trace it):
+    refused from config.json alone, naming it, not failing inside the export."""
+    import transformers
+
+    from tests.conftest import EOS, VOCAB
+
+    transformers.PhimoeConfig(
+        vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, hidden_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 10 for i in range(8)],
+                         "short_factor": [1.0] * 8, "original_max_position_embeddings": 64, "long_mscale": 1.2,
+                         "short_mscale": 1.1}, architectures=["PhimoeForCausalLM"]).save_pretrained(tmp_path)
+    with pytest.raises(UnsupportedArchitecture, match=r"'phimoe' is refused: its longrope rotary picks its scale"):
+        load_checkpoint(ModelSpec(source=str(tmp_path)))
 
 
 def test_the_plan_from_a_config_counts_every_expert(tiny_checkpoints):
