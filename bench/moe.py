@@ -4,10 +4,10 @@ densely (every expert over every token, standard ONNX ops: `export.experts: dens
     python bench/moe.py [--experts 8] [--top-k 2] [--hidden 256] [--layers 4] [--threads 2]
                         [--rounds 5] [--steps 40] [--past 64]
 
-A random-weight Mixtral of those shapes (intermediate size 2 x hidden) is compiled twice (cpu-fp32,
-one artifact per form), then each round times --steps decode steps of each form at batch 1 and 8
-over a --past-slot cache, the forms alternating. Medians over rounds. Writes bench/results/moe.json
-and prints a table.
+A random-weight Mixtral of those shapes (intermediate size 2 x hidden) is compiled twice: with the op
+(cpu-fp32, and cpu-int8 and cpu-int4, whose experts are QMoE) and dense (cpu-fp32). Each round times
+--steps decode steps of each at batch 1 and 8 over a --past-slot cache, in turn. Medians over rounds.
+Writes bench/results/moe.json and prints a table.
 """
 
 from __future__ import annotations
@@ -42,32 +42,39 @@ def build(folder: Path, args: argparse.Namespace) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+QUANTIZED = ("  - {name: cpu-int8, target: onnxruntime, quantize: {mode: int8-dynamic}}\n"
+             "  - {name: cpu-int4, target: onnxruntime, quantize: {mode: int4}}\n")
+
+
 def compile_form(checkpoint: Path, form: str, work: Path) -> Path:
     from compiler.pipeline import compile_recipe
 
     recipe = work / f"{form}.yaml"
     recipe.write_text(f'name: moe-{form}\nmodel: {{source: "{checkpoint}"}}\n'
                       f"export: {{opset: 18, max_context: 512, logits: last, experts: {form}}}\n"
-                      "variants:\n  - {name: cpu-fp32, target: onnxruntime}\n")
+                      "variants:\n  - {name: cpu-fp32, target: onnxruntime}\n" + (QUANTIZED if form == "moe" else ""))
     return compile_recipe(recipe, work / f"moe-{form}")
 
 
-def step_times(artifacts: dict[str, Path], batch: int, args: argparse.Namespace) -> dict[str, list[float]]:
-    """Each round: --steps decode steps of each form (after 3 untimed), the forms alternating; ms a step."""
+def step_times(artifacts: dict[str, tuple[Path, str]], batch: int, args: argparse.Namespace
+               ) -> dict[str, list[float]]:
+    """Each round: --steps decode steps of each (artifact, variant) (after 3 untimed), in turn, the order
+    rotating by one each round; ms a step."""
     import numpy as np
 
     from runtime.model import open_model
 
     feeds = {}
-    for form, artifact in artifacts.items():
-        backend = open_model(artifact, threads=args.threads).backend
+    for form, (artifact, variant) in artifacts.items():
+        backend = open_model(artifact, variant, threads=args.threads).backend
         cache = backend.new_cache(batch, args.past + 1 + 3 + args.steps * args.rounds)
         feeds[form] = (backend, np.full((batch, 1), 42, np.int64), np.ones((batch, args.past + 1), np.int64),
                        np.full((batch, 1), args.past, np.int64), cache)
     times: dict[str, list[float]] = {form: [] for form in artifacts}
     forms = list(artifacts)
     for number in range(args.rounds):
-        for form in forms[number % 2:] + forms[:number % 2]:
+        shift = number % len(forms)
+        for form in forms[shift:] + forms[:shift]:
             backend, token, mask, position, cache = feeds[form]
             for _ in range(3):
                 backend.run(token, mask, position, cache)
@@ -96,12 +103,14 @@ def main() -> int:
         parameters = build(work / "checkpoint", args)
         print(f"Mixtral, {args.layers} layers, hidden {args.hidden}, {args.experts} experts, top-{args.top_k}: "
               f"{parameters / 1e6:.1f}M parameters", flush=True)
-        artifacts = {form: compile_form(work / "checkpoint", form, work) for form in ("moe", "dense")}
+        fused, dense = (compile_form(work / "checkpoint", form, work) for form in ("moe", "dense"))
+        artifacts = {"moe": (fused, "cpu-fp32"), "dense": (dense, "cpu-fp32"), "qmoe_int8": (fused, "cpu-int8"),
+                     "qmoe_int4": (fused, "cpu-int4")}
         rows = []
         for batch in (1, 8):
             times = step_times(artifacts, batch, args)
             medians = {form: statistics.median(values) for form, values in times.items()}
-            rows.append({"batch": batch, "moe_ms": medians["moe"], "dense_ms": medians["dense"],
+            rows.append({"batch": batch, **{f"{form}_ms": median for form, median in medians.items()},
                          "dense_over_moe": medians["dense"] / medians["moe"], "rounds_ms": times})
     result = {"model": {"family": "mixtral", "layers": args.layers, "hidden": args.hidden, "experts": args.experts,
                         "top_k": args.top_k, "parameters": parameters},
@@ -109,9 +118,10 @@ def main() -> int:
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps(result, indent=2) + "\n")
     print(f"\ndecode step, {args.threads} threads, {args.past} slots of context (medians of {args.rounds} rounds)")
-    print(f"{'batch':>5}  {'MoE op':>9}  {'dense':>9}  {'dense / MoE op':>14}")
+    print(f"{'batch':>5}  {'MoE op':>9}  {'dense':>9}  {'dense / MoE op':>14}  {'QMoE int8':>9}  {'QMoE int4':>9}")
     for row in rows:
-        print(f"{row['batch']:>5}  {row['moe_ms']:7.2f}ms  {row['dense_ms']:7.2f}ms  {row['dense_over_moe']:13.2f}x")
+        print(f"{row['batch']:>5}  {row['moe_ms']:7.2f}ms  {row['dense_ms']:7.2f}ms  {row['dense_over_moe']:13.2f}x  "
+              f"{row['qmoe_int8_ms']:7.2f}ms  {row['qmoe_int4_ms']:7.2f}ms")
     return 0
 
 
