@@ -23,6 +23,7 @@ from typing import Any
 
 from runtime.artifact import sha256_file
 from runtime.files import read_utf8
+from runtime.memory import EXPERT_COUNT_KEYS
 
 from .errors import CheckpointError, RecipeError, UnsupportedArchitecture
 from .families import Family, family_for, family_named, supported
@@ -268,15 +269,11 @@ def load_checkpoint(spec: ModelSpec, keep_narrow_weights: bool = False) -> Check
     return Checkpoint(source, _source_sha256(source), model, tokenizer, family)
 
 
-# Config attributes that give a mixture of experts' expert count (whichever its family uses).
-EXPERT_COUNT_ATTRIBUTES = ("num_local_experts", "num_experts", "n_routed_experts")
-
-
 def _unexportable_experts(config: Any) -> str | None:
     """Why the model's experts cannot be the MoE op (compiler/moe.py), found on the model built from its
     config on the meta device, before a weight is read; None for a model without experts."""
     if not any(isinstance(getattr(config, name, None), int) and getattr(config, name) > 0
-               for name in EXPERT_COUNT_ATTRIBUTES):
+               for name in EXPERT_COUNT_KEYS):
         return None
     import torch
     from transformers import AutoModelForCausalLM

@@ -374,10 +374,16 @@ def _int8_blocks(weight: np.ndarray, block_size: int) -> tuple[np.ndarray, np.nd
     """weight [K, N] -> MatMulNBits' 8-bit codes [N, K / block, block] (zero point 128) and scales
     [N, K / block]: symmetric, scale max|w| / 127, so a block's largest weight is exact."""
     k, n = weight.shape
-    blocks = weight.T.reshape(n, k // block_size, block_size)
+    return _symmetric_codes(weight.T.reshape(n, k // block_size, block_size), bits=8)
+
+
+def _symmetric_codes(blocks: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """Blocks [..., block] -> codes about 2^(bits-1) (the zero point MatMulNBits and QMoE assume) and
+    scales [...]: max|w| / (2^(bits-1) - 1), so a block's largest weight is exact."""
+    top = 2 ** (bits - 1) - 1
     largest = np.abs(blocks).max(-1)
-    scales = np.where(largest > 0, largest / 127, 1).astype(np.float32)
-    codes = np.clip(np.rint(blocks / scales[..., None]), -127, 127) + 128
+    scales = np.where(largest > 0, largest / top, 1).astype(np.float32)
+    codes = np.clip(np.rint(blocks / scales[..., None]), -top, top) + top + 1
     return codes.astype(np.uint8), scales
 
 
@@ -630,16 +636,11 @@ def _expert_blocks(weight: np.ndarray, bits: int, block_size: int) -> tuple[np.n
     """[experts, N, K] fp32 -> QMoE's raw codes [experts, N, K * bits / 8] (4-bit pairs low nibble first)
     and scales [experts, N, K / block_size]: symmetric about 2^(bits-1)."""
     experts, rows, columns = weight.shape
-    blocks = weight.reshape(experts, rows, columns // block_size, block_size).astype(np.float64)
-    top = 2 ** (bits - 1) - 1
-    scales = np.abs(blocks).max(axis=-1, keepdims=True) / top
-    scales[scales == 0] = 1.0
-    codes = (np.clip(np.rint(blocks / scales), -top, top) + 2 ** (bits - 1)).astype(np.uint8)
+    codes, scales = _symmetric_codes(weight.reshape(experts, rows, columns // block_size, block_size), bits)
     codes = codes.reshape(experts, rows, columns)
     if bits == 4:
         codes = codes[..., 0::2] | (codes[..., 1::2] << 4)
-    return np.ascontiguousarray(codes), scales.reshape(experts, rows, -1).astype(np.float32)
-
+    return np.ascontiguousarray(codes), scales
 
 
 def untie_transposed_weights(proto: Any, base_dir: str = "") -> None:

@@ -224,6 +224,10 @@ def warm_host_memory(nbytes: int) -> None:
     del block
 
 
+# Config keys that give a mixture of experts' expert count (whichever its family uses).
+EXPERT_COUNT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+
+
 def config_interface(config: dict[str, Any], dtype: str) -> tuple[Interface, int]:
     """An interface and the weights' bytes from a transformers config.json alone, for `kiln plan --config`:
     the KV shapes as the export would write them (shared buffers, as the fused onnxruntime graph has)."""
@@ -239,7 +243,7 @@ def config_interface(config: dict[str, Any], dtype: str) -> tuple[Interface, int
     vocab, inner = first("vocab_size", default=0), first("intermediate_size", "n_inner", default=4 * hidden)
     gated = config.get("model_type") not in ("gpt2", "gpt_neox", "gpt_bigcode", "phi", "falcon", "starcoder2")
     attention = hidden * heads * head_dim * 2 + 2 * hidden * kv_heads * head_dim
-    experts = first("num_local_experts", "num_experts", "n_routed_experts", default=0)
+    experts = first(*EXPERT_COUNT_KEYS, default=0)
     if experts:  # every expert is resident (each token runs k of them), beside the router and a shared expert
         shared = first("shared_expert_intermediate_size", default=0)
         mlp = experts * 3 * hidden * first("moe_intermediate_size", default=inner) + hidden * experts + \
