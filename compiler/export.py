@@ -130,6 +130,7 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     shapes = shapes_of(checkpoint.config)
     stop_computing_in_fp32(checkpoint.model)  # its weights are traced as fp32 on the meta device instead
     experts = moe.prepare_for_export(checkpoint.model)  # each layer's experts: one MoE node
+    traceable_rotary(checkpoint.model)
     wrapper = _make_wrapper(checkpoint.model, shapes.layers, cfg.logits)
     folder.mkdir(parents=True, exist_ok=True)
     scratch = folder / SCRATCH_WEIGHTS_FILE
@@ -157,6 +158,39 @@ def export(checkpoint: Checkpoint, cfg: ExportSpec, folder: Path, debug: bool = 
     finally:
         scratch.unlink(missing_ok=True)
     return saved_graph(folder, graph_interface(shapes, cfg.logits), shapes)
+
+
+def traceable_rotary(model: Any) -> int:
+    """Rotary modules whose scale is chosen by a Python branch on the positions, given a forward that
+    computes the same numbers without one (torch.export cannot trace a branch on a tensor's value).
+    PhiMoE's longrope (Phi-3.5-MoE) multiplies cos and sin by long_mscale once the positions pass
+    original_max_position_embeddings, else by short_mscale; its frequencies are the short factors'
+    either way (transformers recomputes them from the config on each call, without the positions).
+    transformers picks the scale by the batch's largest position; here each row's own largest
+    position picks it, so a row's numbers do not depend on its neighbours (eager's alone). Returns how
+    many modules were changed."""
+    import types
+
+    import torch
+
+    def forward(self: Any, x: Any, position_ids: Any = None) -> tuple[Any, Any]:
+        rope = self.config.rope_parameters
+        inv_freq, scaling = self.rope_init_fn(self.config)
+        if rope["rope_type"] != "default":
+            past_original = position_ids.amax(dim=-1, keepdim=True)[..., None] + 1 > rope[
+                "original_max_position_embeddings"]
+            scaling = torch.where(past_original, torch.tensor(rope["long_mscale"], dtype=torch.float32),
+                                  torch.tensor(rope["short_mscale"], dtype=torch.float32))
+        freqs = position_ids[..., None].float() * inv_freq.to(device=x.device, dtype=torch.float)
+        angles = torch.cat((freqs, freqs), dim=-1)
+        return (angles.cos() * scaling).to(x.dtype), (angles.sin() * scaling).to(x.dtype)
+
+    changed = 0
+    for module in model.modules():
+        if type(module).__name__ == "PhimoeRotaryEmbedding":
+            module.forward = types.MethodType(forward, module)
+            changed += 1
+    return changed
 
 
 # Elementwise ops ONNX Runtime's CPU provider has no bfloat16 kernel for.

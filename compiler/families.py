@@ -85,20 +85,9 @@ FAMILIES: dict[str, Family] = {
 }
 
 
-def phimoe_rotary(config: dict) -> str | None:
-    """PhiMoE's rotary (transformers' PhimoeRotaryEmbedding) chooses its long or short scale with a Python
-    `if` on the positions' maximum, which torch.export cannot trace (Phi-3's longrope does it with
-    torch.where and exports); only its default rotary compiles."""
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    kind = rope.get("rope_type") or rope.get("type") if isinstance(rope, dict) else None
-    if kind in (None, "default"):
-        return None
-    return (f"its {kind} rotary picks its scale by a Python branch on the positions at run time, which "
-            "torch.export cannot trace (Phi-3.5-MoE's checkpoints use it)")
-
-
 # Configurations of a model type the export cannot take: a function of the config's values -> why (None: fine).
-CONFIG_REFUSALS: dict[str, Callable[[dict], str | None]] = {"phimoe": phimoe_rotary}
+# None now: PhiMoE's longrope, the last, exports through export.traceable_rotary.
+CONFIG_REFUSALS: dict[str, Callable[[dict], str | None]] = {}
 
 
 def supported() -> str:

@@ -89,21 +89,43 @@ def test_experts_the_moe_op_cannot_compute_are_refused_in_one_line(tmp_path):
     assert "\n" not in str(refused.value)
 
 
-def test_phimoe_with_longrope_is_refused_before_loading(tmp_path):
-    """Phi-3.5-MoE's longrope rotary branches in Python on the positions (torch.export cannot trace it):
-    refused from config.json alone, naming it, not failing inside the export."""
+def test_phimoe_with_longrope_compiles_and_each_row_scales_by_its_own_positions(tmp_path):
+    """Phi-3.5-MoE's longrope multiplies cos and sin by long_mscale once the positions pass
+    original_max_position_embeddings (a Python branch in transformers, given a traceable form at export):
+    prompts on both sides of it, and one that crosses it while it decodes, give eager's greedy tokens
+    alone, and the same batched (each row's own positions pick its scale)."""
+    import torch
     import transformers
 
-    from tests.conftest import EOS, VOCAB
+    from compiler.pipeline import compile_recipe
+    from runtime.sampling import SamplingParams
+    from tests.conftest import EOS, VOCAB, build_tokenizer, write_recipe
 
-    transformers.PhimoeConfig(
+    config = transformers.PhimoeConfig(
         vocab_size=VOCAB, bos_token_id=EOS, eos_token_id=EOS, hidden_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, num_local_experts=4,
-        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 10 for i in range(8)],
-                         "short_factor": [1.0] * 8, "original_max_position_embeddings": 64, "long_mscale": 1.2,
-                         "short_mscale": 1.1}, architectures=["PhimoeForCausalLM"]).save_pretrained(tmp_path)
-    with pytest.raises(UnsupportedArchitecture, match=r"'phimoe' is refused: its longrope rotary picks its scale"):
-        load_checkpoint(ModelSpec(source=str(tmp_path)))
+        intermediate_size=64, rope_parameters={
+            "rope_type": "longrope", "rope_theta": 10000.0, "long_factor": [1.0 + i / 4 for i in range(8)],
+            "short_factor": [1.0 + i / 40 for i in range(8)], "original_max_position_embeddings": 16,
+            "long_mscale": 1.6, "short_mscale": 0.7})
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    model.save_pretrained(tmp_path / "checkpoint")
+    build_tokenizer(tmp_path / "checkpoint")
+    artifact = compile_recipe(write_recipe(tmp_path / "r.yaml", tmp_path / "checkpoint", name="phimoe-longrope"),
+                              tmp_path / "out")
+    rng = np.random.default_rng(3)
+    prompts = [[int(t) for t in rng.integers(3, 200, size=n)] for n in (6, 12, 24)]  # short, crossing, long
+    params = SamplingParams(max_new_tokens=8, ignore_eos=True)
+    generator = Generator.load(artifact, "cpu-fp32")
+    alone = [generator.generate([p], params)[0].token_ids for p in prompts]
+    eager = []
+    with torch.no_grad():
+        for prompt in prompts:
+            out = model.generate(torch.tensor([prompt]), max_new_tokens=8, min_new_tokens=8, do_sample=False)
+            eager.append(out[0, len(prompt):].tolist())
+    assert alone == eager
+    assert [r.token_ids for r in generator.generate(prompts, params)] == alone
 
 
 def test_the_plan_from_a_config_counts_every_expert(tiny_checkpoints):
