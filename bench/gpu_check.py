@@ -51,6 +51,10 @@ variants:
     target: onnxruntime-cuda
     precision: fp16
     gates: {top1_agreement: 0.98, perplexity_change: 0.02}
+  - name: cuda-bf16
+    target: onnxruntime-cuda
+    precision: bf16
+    gates: {top1_agreement: 0.96, perplexity_change: 0.03}
 """
 # target: (recipe variants, the variant timed, the eager side's dtype, speed-up targets by batch)
 PATHS = {

@@ -147,6 +147,16 @@ def measure(model_path: Path, interface: dict[str, Any], providers: list[Any], w
 
 # -- types through the graph ---------------------------------------------------------------------
 
+def tensor_types(proto: Any) -> dict[str, str]:
+    """{value name: its element type ("float16", "bfloat16", "int64", ...)} for the graph's declared values
+    and every node output whose type its op's schema fixes from its inputs and attributes."""
+    opsets = {("" if o.domain == "ai.onnx" else o.domain): o.version for o in proto.opset_import}
+    types = _declared_types(proto.graph)
+    for node in proto.graph.node:
+        _bind(node, _schema(node.domain, node.op_type, opsets.get(node.domain, 1)), types)
+    return types
+
+
 def _dtype(elem_type: int) -> str | None:
     import onnx
 

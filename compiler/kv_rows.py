@@ -23,7 +23,7 @@ OPSET = 18
 
 
 def write_kv_row_graphs(folder: Path, dtype: str) -> list[str]:
-    """Both graphs for caches of `dtype` ("float16", "float32") into `folder`; their file names."""
+    """Both graphs for caches of `dtype` ("float16", "bfloat16", "float32") into `folder`; their file names."""
     import onnx
 
     (folder / GATHER_FILE).write_bytes(_gather(dtype).SerializeToString())
@@ -31,6 +31,13 @@ def write_kv_row_graphs(folder: Path, dtype: str) -> list[str]:
     for name in (GATHER_FILE, SCATTER_FILE):
         onnx.checker.check_model(str(folder / name))
     return [GATHER_FILE, SCATTER_FILE]
+
+
+def _element(dtype: str) -> int:
+    """The ONNX element type of a cache dtype's name: numpy's, or bfloat16, which numpy lacks."""
+    from onnx import TensorProto, helper
+
+    return TensorProto.BFLOAT16 if dtype == "bfloat16" else helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
 
 
 def _cache(name: str, element: int, batch: str, slots: str):
@@ -42,7 +49,7 @@ def _cache(name: str, element: int, batch: str, slots: str):
 def _gather(dtype: str):
     from onnx import TensorProto, helper
 
-    element = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    element = _element(dtype)
     index = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, ["rows"])  # noqa: E731
     scalar = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, [1])  # noqa: E731
     constants = [helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
@@ -72,7 +79,7 @@ def _gather(dtype: str):
 def _scatter(dtype: str):
     from onnx import TensorProto, helper
 
-    element = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
+    element = _element(dtype)
     index = lambda name: helper.make_tensor_value_info(name, TensorProto.INT64, ["rows"])  # noqa: E731
     constants = [helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
                  helper.make_tensor("two", TensorProto.INT64, [1], [2]),

@@ -28,6 +28,7 @@ import numpy as np
 from runtime.backends.registry import ONNXRUNTIME_TARGETS, Target
 from runtime.files import link_or_copy
 
+from .bf16 import cpu_graph
 from .errors import ExportMismatch
 from .export import forget_matched_graphs, small_constants_kept
 from .fusions import ONNXRUNTIME_RULES, PACK_MATMULS, ROTARY_IN_ATTENTION, group_query_attention
@@ -142,7 +143,7 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
     del proto
     folded = saved_graph(folder, graph.interface, graph.shapes)
     try:
-        compare_graphs(graph, folded, left_padded=exact)
+        compare_graphs(cpu_graph(graph), cpu_graph(folded), left_padded=exact)  # a bf16 graph's fp32 twins
     except ExportMismatch as error:
         shutil.rmtree(folder)
         detail = str(error).split(": ", 1)[-1].split(";")[0]  # the numbers, not the unfused-graph advice
@@ -173,10 +174,10 @@ def kernel_graph(graph: OnnxArtifact, folder: Path, kv_cache: str = "float32",
     after an fp32 MatMul (an fp32 variant, or a layer the quantizer kept in fp32) those four nodes
     become one ai.kiln::SwiGLU, the same numbers in one pass.
 
-    kv_cache "float16" (the recipe's): where every attention is Kiln's and the KV cache is read by
-    nothing else (a Shape aside), each is ai.kiln::GroupQueryAttentionFp16Cache and the graph's past and
-    present are fp16 (its interface says so); else the cache stays fp32, and the interface's type is how
-    the caller tells.
+    kv_cache "float16" or "int8" (the recipe's): where every attention is Kiln's and the KV cache is read
+    by nothing else (a Shape aside), each is ai.kiln::GroupQueryAttentionFp16Cache or
+    GroupQueryAttentionInt8Cache and the graph's past and present are of that type (its interface says
+    so); else the cache stays fp32, and the interface's type is how the caller tells.
 
     The caller measures it against eager as it measures `graph`: the int8 kernels round each activation as MLAS
     does but sum in another order (the bf16 one rounds them to bf16 instead), and int8 activations carry a
@@ -335,31 +336,46 @@ def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: lis
         # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
         interface = {**interface, "prefill": "batched"}
-        if kv_cache == "float16" and _half_cache(proto, attentions):
-            interface = retyped_kv(interface, "float16")
+        if kv_cache != "float32" and _compact_cache(proto, attentions, kv_cache):
+            interface = retyped_kv(interface, kv_cache)
     return interface
 
 
-def _half_cache(proto: Any, attentions: list[Any]) -> bool:
-    """Each of Kiln's attentions as ai.kiln::GroupQueryAttentionFp16Cache and its past and present (the
-    graph's inputs and outputs) fp16; False, the graph unchanged, where a cache is not the graph's own
-    input or output or another node reads it (a Shape aside: it reads no numbers)."""
+def _compact_cache(proto: Any, attentions: list[Any], kv_cache: str) -> bool:
+    """Each of Kiln's attentions as its op over a `kv_cache` ("float16", "int8") cache, and its past and
+    present (the graph's inputs and outputs) of that type, an int8 one 4 bytes wider a slot (its scale:
+    runtime/kernels/attention.c); False, the graph unchanged, where a cache is not the graph's own input or
+    output or another node reads it (a Shape aside: it reads no numbers, though of an int8 cache not the
+    last dimension, which is not the head size there)."""
     import onnx
 
-    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP
+    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP, ATTENTION_INT8_CACHE_OP, INT8_SCALE_BYTES
 
+    element, op = {"float16": (onnx.TensorProto.FLOAT16, ATTENTION_FP16_CACHE_OP),
+                   "int8": (onnx.TensorProto.INT8, ATTENTION_INT8_CACHE_OP)}[kv_cache]
     caches = {name for node in attentions for name in [*node.input[3:5], *node.output[1:3]] if name}
     ends = {value.name: value for value in [*proto.graph.input, *proto.graph.output]}
     ours = {id(node) for node in attentions}
-    if not caches <= set(ends) or any(id(node) not in ours and node.op_type != "Shape" and caches & set(node.input)
+
+    def reads_numbers(node: Any) -> bool:
+        if node.op_type != "Shape" or node.domain:
+            return True
+        attributes = {a.name: a.i for a in node.attribute}
+        end = attributes.get("end", 4)
+        return kv_cache == "int8" and (end if end >= 0 else end + 4) > 3  # its last dimension: codes and scale
+
+    if not caches <= set(ends) or any(id(node) not in ours and caches & set(node.input) and reads_numbers(node)
                                       for node in proto.graph.node):
         return False
     for name in caches:
-        ends[name].type.tensor_type.elem_type = onnx.TensorProto.FLOAT16
+        tensor_type = ends[name].type.tensor_type
+        tensor_type.elem_type = element
+        if kv_cache == "int8" and tensor_type.shape.dim[3].HasField("dim_value"):
+            tensor_type.shape.dim[3].dim_value += INT8_SCALE_BYTES
     for value in [v for v in proto.graph.value_info if v.name in caches]:
         proto.graph.value_info.remove(value)
     for node in attentions:
-        node.op_type = ATTENTION_FP16_CACHE_OP
+        node.op_type = op
     return True
 
 

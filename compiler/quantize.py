@@ -135,8 +135,8 @@ def _matches(path: str, spec: Any) -> bool:
 
 def _int4_then_fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
                     folder: Path) -> Made:
-    """int4 weight blocks (MatMulNBits), then the whole graph in fp16 as _fp16 makes it: a CUDA variant's
-    4-bit weights over half-precision activations, scales in fp16."""
+    """int4 weight blocks (MatMulNBits), then the whole graph in fp16 (or bf16) as _fp16 makes it: a CUDA
+    variant's 4-bit weights over half-precision activations, scales in the same half precision."""
     interface, on_grid, notes = _weight_blocks(bits=4)(proto, source, variant, calibration, excluded,
                                                         folder / ".int4")
     quantized = load_structure(folder / ".int4" / MODEL_FILE)
@@ -319,16 +319,25 @@ def _activations_as_uint8(path: Path) -> None:
 def _fp16(proto: Any, source: OnnxArtifact, variant: Variant, calibration: Any, excluded: list[str],
           folder: Path) -> Made:
     import onnx_ir as ir
+    from onnx import TensorProto, numpy_helper
     from onnx_ir.passes.common import TopologicalSortPass
     from onnxruntime.transformers.float16 import convert_float_to_float16
 
+    from .bf16 import to_bfloat16
+
     blocked = [op for op in BLOCKED_FP16 if variant.target != Target.ONNXRUNTIME_CUDA or op not in CUDA_HALF_OPS]
+    # bf16 (CUDA variants): the fp16 graph retyped, its weights rounded from these fp32 values (compiler/bf16.py)
+    fp32_values = ({t.name: numpy_helper.to_array(t) for t in proto.graph.initializer
+                    if t.data_type == TensorProto.FLOAT} if variant.precision == "bf16" else {})
     converted = convert_float_to_float16(proto, keep_io_types=["logits"], op_block_list=blocked,
                                          node_block_list=excluded, disable_shape_infer=True)
+    if variant.precision == "bf16":
+        to_bfloat16(converted, fp32_values)
+        del fp32_values
     model = ir.from_proto(converted)
     TopologicalSortPass()(model)  # the converter appends its Casts after their consumers
     save_proto(ir.to_proto(model), folder)
-    return retyped_kv(source.interface, "float16"), [], {}
+    return retyped_kv(source.interface, "bfloat16" if variant.precision == "bf16" else "float16"), [], {}
 
 
 def _on_int8_grid(proto: Any, block_size: int, excluded: list[str]) -> list[str]:
@@ -581,6 +590,8 @@ QUANTIZERS: dict[tuple[str, str | None], Callable[..., Made]] = {
     ("fp32", "int8-static"): _qdq_static,
     ("fp16", None): _fp16,
     ("fp16", "int4"): _int4_then_fp16,
+    ("bf16", None): _fp16,  # the fp16 graph in bfloat16 (compiler/bf16.py)
+    ("bf16", "int4"): _int4_then_fp16,
 }
 
 

@@ -188,9 +188,9 @@ BUILDS_BY_TARGET = {
                     ("fp16", None)},
     "tensorrt": {("fp32", None), ("fp16", None), ("fp32", "int8-static")},
     # Half precision end to end (attention and its KV cache included): ONNX Runtime's CUDA kernels for
-    # GroupQueryAttention take fp16 and bf16 only; int4 weights (MatMulNBits) over fp16 activations. bf16
-    # is not built yet (see docs/gpu.md).
-    "onnxruntime-cuda": {("fp16", None), ("fp16", "int4")},
+    # GroupQueryAttention take fp16 and bf16 only; int4 weights (MatMulNBits) over half activations. A
+    # bf16 graph is validated through its fp32 twin (compiler/bf16.py).
+    "onnxruntime-cuda": {("fp16", None), ("fp16", "int4"), ("bf16", None), ("bf16", "int4")},
 }
 DATA = Path(__file__).resolve().parent / "data"  # package data: an installed compiler finds it too
 DEFAULT_CALIBRATION = DATA / "calibration.jsonl"
@@ -223,9 +223,10 @@ class Variant(_Strict):
     gates: Gates | None = None
     # The KV cache's type in the graph for Kiln's CPU kernels (runtime/kernels/attention.c), where every
     # attention is the kernel's: float16 halves the cache's memory and what a decode step reads of it, for
-    # numbers rounded to fp16 once as they are stored (measured against eager under the variant's gates).
-    # model.onnx, which any ONNX Runtime opens, keeps an fp32 cache.
-    kv_cache: Literal["float32", "float16"] = "float32"
+    # numbers rounded to fp16 once as they are stored; int8 takes (head size + 4) bytes a slot and head
+    # where fp32 takes 4 x head size (d codes and a scale per token and head). Measured against eager
+    # under the variant's gates. model.onnx, which any ONNX Runtime opens, keeps an fp32 cache.
+    kv_cache: Literal["float32", "float16", "int8"] = "float32"
     # "optional": the gates hold every graph the variant ships (model.onnx, which any ONNX Runtime runs, and
     # the graph for Kiln's CPU kernels), and a host without the kernels runs model.onnx. "required": the
     # variant is for hosts that run Kiln's CPU kernels (runtime/cpu_kernels.py): the gates hold their graph,
@@ -245,8 +246,8 @@ class Variant(_Strict):
                              "GroupQueryAttention over a KV buffer updated in place; leave fuse out")
         onnxruntime_fp32_fused = self.target == Target.ONNXRUNTIME and self.fuse and self.precision == "fp32"
         if self.kv_cache != "float32" and not onnxruntime_fp32_fused:
-            raise ValueError("kv_cache: float16 is for fp32 onnxruntime variants with fuse on, quantized or not (the "
-                             "cache of Kiln's CPU kernels' attention); leave it out here")
+            raise ValueError(f"kv_cache: {self.kv_cache} is for fp32 onnxruntime variants with fuse on, quantized or "
+                             "not (the cache of Kiln's CPU kernels' attention); leave it out here")
         if self.cpu_kernels == "required" and self.target != Target.ONNXRUNTIME:
             raise ValueError("cpu_kernels: required is for onnxruntime variants (Kiln's CPU kernels run their graphs); "
                              "leave it out here")

@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from .accuracy import kl_divergence, teacher_forced
+from .bf16 import cpu_graph
 from .graph import OnnxArtifact, load_structure
 from .progress import release_freed_memory
 from .recipe import Variant
@@ -117,10 +118,12 @@ def layer_sensitivity(source: OnnxArtifact, variant: Variant, groups: dict[str, 
     for group, members in groups.items():
         alone = with_exclude(fp32_rest, [p for p in paths if p not in members])
         graph, _ = quantize(source, alone, calibration, folder)
-        backend = OnnxRuntimeBackend(graph.model_path, graph.interface)
+        runnable = cpu_graph(graph)  # a bf16 graph's fp32 twin (compiler/bf16.py)
+        backend = OnnxRuntimeBackend(runnable.model_path, runnable.interface)
         logits = teacher_forced(backend, rows, pad_id, into=logits_folder / "group.bin")
         backend.close()
         shutil.rmtree(folder)
+        shutil.rmtree(runnable.folder, ignore_errors=True)
         release_freed_memory()  # this group's graph and session, before the next group's
         kl_rows, agree_rows = [], []
         for r, c in zip(reference, logits, strict=True):  # each row read from disk once

@@ -36,6 +36,7 @@ from runtime.manifest import Variant as VariantEntry
 from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure
+from .bf16 import cpu_graph
 from .compare import Side, assemble
 from .cuda_placement import measure as measure_placement
 from .cuda_placement import predict as predict_placement
@@ -170,9 +171,9 @@ def quantize_step(build: VariantBuild) -> None:
         optimized_graph = build.graph
         quantized, build.report["quantize"] = quantize(optimized_graph, variant, calibration,
                                                        build.work / "quantized")
-        check_finite(quantized, calibration, variant.name)
+        check_finite(cpu_graph(quantized), calibration, variant.name)
     with log.step("layerwise error against fp32"):
-        build.report["layerwise"] = residual_errors(optimized_graph, quantized, calibration)
+        build.report["layerwise"] = residual_errors(optimized_graph, cpu_graph(quantized), calibration)
     records = build.report["layerwise"]
     if records:
         log.note(f"layerwise error: {layerwise_ends(records)}; most added by {largest_additions(records)}")
@@ -229,8 +230,8 @@ def kernels_step(build: VariantBuild) -> None:
         shutil.rmtree(folder, ignore_errors=True)
         build.kernels_why = f"the graph for them could not be written: {type(error).__name__}: {error}"
         return
-    if build.kernels is not None and variant.kv_cache == "float16" \
-            and build.kernels.interface["inputs"][3]["dtype"] != "float16":
+    if build.kernels is not None and variant.kv_cache != "float32" \
+            and build.kernels.interface["inputs"][3]["dtype"] != variant.kv_cache:
         build.log.note(f"kv_cache {variant.kv_cache}: not applied (an attention of the graph is not Kiln's "
                        "kernel's, or another node reads the cache); the kernels' graph keeps an fp32 cache")
 
@@ -242,8 +243,11 @@ def accuracy_step(build: VariantBuild) -> None:
     release_freed_memory()  # what the last stage's sessions freed, before this one loads the weights
     runs_on = "ONNX Runtime CPU" + (", the graph the CUDA provider runs"
                                     if build.variant.target == Target.ONNXRUNTIME_CUDA else "")
+    runnable = cpu_graph(build.graph)
+    if runnable is not build.graph:
+        runs_on = "ONNX Runtime CPU, the bf16 graph's fp32 twin (compiler/bf16.py)"
     with build.log.step("accuracy against eager"):
-        backend = OnnxRuntimeBackend(build.graph.model_path, build.graph.interface)
+        backend = OnnxRuntimeBackend(runnable.model_path, runnable.interface)
         comparison = build.against_eager(backend, build.variant.name, runs_on)
         backend.close()  # before the memory measurement's process loads the graph again
     release_freed_memory()
@@ -469,6 +473,7 @@ def auto_exclude(build: VariantBuild) -> tuple[Variant, dict[str, Any]]:
         built, _ = quantize(graph, candidate, calibration, work / "search" / "quantized")
         if build.fused_for_onnxruntime:
             built, _ = pack(built, work / "search" / "packed")
+        built = cpu_graph(built)  # a bf16 graph's fp32 twin (compiler/bf16.py)
         backend = OnnxRuntimeBackend(built.model_path, built.interface)
         metrics = measure(backend, data.inputs, build.reference, into=work / "search" / "logits")["summary"]
         backend.close()

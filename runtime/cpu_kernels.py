@@ -61,6 +61,8 @@ from typing import Any
 
 import numpy as np
 
+from . import manifest
+
 KERNEL_MODEL_FILE = "model_kernels.onnx"
 KERNEL_DATA_FILE = "model_kernels.onnx.data"
 DOMAIN = "ai.kiln"
@@ -69,11 +71,13 @@ INT4_BLOCKS_OP = "MatMulInt4Blocks"
 INT4_BF16_OP = "MatMulInt4BlocksBf16"  # its weights in bf16_layout's order, its activations in bf16
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
+ATTENTION_INT8_CACHE_OP = "GroupQueryAttentionInt8Cache"  # over an 8-bit one: codes and a scale a slot
+INT8_SCALE_BYTES = manifest.INT8_SCALE_BYTES  # an int8 cache's slot: head size codes, then its fp32 scale
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 FP32_MATMUL_OP = "MatMulFp32"  # ONNX MatMul by fp32 weights [K, N]: each output's blocks of K in a fixed order
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
 BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the bf16 op's FMA path on a CPU with AVX-512 BF16 too
-LIBRARY_VERSION = 7  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 8  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 BF16_ACTIVATIONS = "bfloat16"  # the manifest's kernel_activations where 4-bit nodes round activations to bf16
 
 

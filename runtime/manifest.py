@@ -41,6 +41,7 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the v
 STATUSES = ("built", "failed", "skipped")
 LIST_KEYS = ("files", "sidecars", "failed_gates", "model_failed_gates", "kv_row_graphs", "providers")
 # What the backends, memory planning and interop read of an interface.
+INT8_SCALE_BYTES = 4  # an int8 KV cache's slot: head size codes, then an fp32 scale (kernels/attention.c)
 INTERFACE_KEYS = {"inputs": list, "outputs": list, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int}
 
 
@@ -102,6 +103,12 @@ class Interface:
     @property
     def kv_dtype(self) -> str:
         return self.past[0].dtype
+
+    @property
+    def kv_width(self) -> int:
+        """A KV tensor's last dimension: the head size, and in an int8 cache (Kiln's kernels' kv_cache: int8)
+        4 bytes more a slot, its scale (runtime/kernels/attention.c)."""
+        return self.head_dim + (INT8_SCALE_BYTES if self.kv_dtype == "int8" else 0)
 
     @property
     def logits_dtype(self) -> str:

@@ -33,6 +33,7 @@ from typing import Any
 
 import numpy as np
 
+from .backends.base import host_dtype
 from .errors import IncompatibleArtifact
 from .manifest import Interface, Manifest, TensorSpec, Variant
 
@@ -59,19 +60,19 @@ class Measured:
 class Shapes:
     layers: int
     kv_heads: int
-    head_dim: int
+    kv_width: int  # numbers a slot of a KV head holds: the head size (an int8 cache's: its scale's 4 bytes more)
     kv_dtype_bytes: int
     shared_buffers: bool
     leading_slot: int
 
     @classmethod
     def of(cls, interface: Interface) -> Shapes:
-        return cls(interface.layers, interface.kv_heads, interface.head_dim, np.dtype(interface.kv_dtype).itemsize,
+        return cls(interface.layers, interface.kv_heads, interface.kv_width, host_dtype(interface.kv_dtype).itemsize,
                    interface.shared_buffers, int(interface.leading_kv_slot))
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * self.kv_dtype_bytes
+        return 2 * self.layers * self.kv_heads * self.kv_width * self.kv_dtype_bytes
 
 
 @dataclass(frozen=True)
@@ -273,7 +274,7 @@ def report(interface: Interface, memory: dict[str, Any] | None, weights_file_byt
             "weights_source": "measured at compile time" if memory else weights_source,
             "fits": planned.bound_bytes <= budget, "kv_form": "shared buffers" if shapes.shared_buffers else
             "past in, present out", "kv_formula": f"2 x {shapes.layers} layers x {shapes.kv_heads} kv heads x "
-                                                 f"{shapes.head_dim} x {shapes.kv_dtype_bytes} bytes",
+                                                 f"{shapes.kv_width} x {shapes.kv_dtype_bytes} bytes",
             "largest_batch": largest_batch(interface, memory, budget, context, prefill_tokens, weights_file_bytes,
                                            prefix_cache_bytes),
             "largest_context": largest_context(interface, memory, budget, batch, max_context, prefill_tokens,

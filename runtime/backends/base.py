@@ -33,6 +33,25 @@ from ..manifest import TensorSpec
 CPU_PROVIDERS = ["CPUExecutionProvider"]  # what a backend runs on where no providers are asked for
 
 
+# Element types numpy lacks, held in host arrays of an unsigned integer of their width and handed to ONNX
+# Runtime with their ONNX type (a bf16 CUDA variant's KV cache).
+STORED_AS = {"bfloat16": (np.dtype(np.uint16), 16)}  # 16: onnx.TensorProto.BFLOAT16
+
+
+def host_dtype(name: str) -> np.dtype:
+    """The numpy dtype that holds a tensor of ONNX element type `name` (numpy's name, or bfloat16)."""
+    return STORED_AS[name][0] if name in STORED_AS else np.dtype(name)
+
+
+def ortvalue(array: np.ndarray, dtype: str) -> Any:
+    """An OrtValue over `array`'s memory, of element type `dtype` (host_dtype's name)."""
+    import onnxruntime as ort
+
+    if dtype in STORED_AS:
+        return ort.OrtValue.ortvalue_from_numpy_with_onnx_type(array, STORED_AS[dtype][1])
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
 def provider_names(providers: Sequence[Any] | None) -> list[str]:
     """The names of ONNX Runtime providers given as names or (name, options) pairs; the CPU's for None."""
     return [p if isinstance(p, str) else p[0] for p in providers or CPU_PROVIDERS]

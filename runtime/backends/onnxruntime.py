@@ -64,7 +64,9 @@ from .base import (
     HostFit,
     Limits,
     expand,
+    host_dtype,
     kv_order,
+    ortvalue,
     provider_names,
     rows_of,
     with_leading_slot,
@@ -202,9 +204,11 @@ class OnnxRuntimeBackend(ClosesOnExit):
         self.past_names = kv_order(expand(interface.past, interface.layers))
         self.output_names = ["logits", *kv_order(expand(interface.present, interface.layers))]
         self.kv_heads, self.head_dim = interface.kv_heads, interface.head_dim
+        self.kv_width = interface.kv_width  # the head size, or an int8 cache's codes and scale a slot
         self.vocab_size = interface.vocab_size
         self.logits_dtype = np.dtype(interface.logits_dtype)
-        self.kv_dtype = np.dtype(interface.kv_dtype)
+        self.kv_type = interface.kv_dtype  # ONNX's name: bfloat16 is held in uint16 arrays (base.STORED_AS)
+        self.kv_dtype = host_dtype(interface.kv_dtype)
         self.shared = interface.shared_buffers
         self.front_aligned = self.shared and interface.row_lengths == "mask"
         self.logits_last = interface.logits == "last"
@@ -319,7 +323,7 @@ class OnnxRuntimeBackend(ClosesOnExit):
         return not np.array_equal(run(1)[0], run(2)[0])
 
     def _zeros(self, rows: int, slots: int) -> list[np.ndarray]:
-        return [np.zeros((rows, self.kv_heads, slots, self.head_dim), self.kv_dtype) for _ in self.past_names]
+        return [np.zeros((rows, self.kv_heads, slots, self.kv_width), self.kv_dtype) for _ in self.past_names]
 
     def _with_spare(self, rows: Sequence[int]) -> list[int]:
         """`rows`, and an empty one after a lone row where the graph takes no lone rows (`min_rows`)."""
@@ -400,12 +404,10 @@ class OnnxRuntimeBackend(ClosesOnExit):
 
     def _run_in_place(self, input_ids: np.ndarray, attention_mask: np.ndarray, position_ids: np.ndarray,
                       cache: KvCache) -> tuple[np.ndarray, KvCache]:
-        import onnxruntime as ort
-
         if attention_mask.shape[1] > cache.capacity:
             raise ValueError(f"{attention_mask.shape[1]} slots do not fit the KV buffers' {cache.capacity}")
-        if cache.values is None:  # ortvalue_from_numpy wraps the array's memory: the same bytes are past and present
-            cache.values = [ort.OrtValue.ortvalue_from_numpy(array) for array in cache]
+        if cache.values is None:  # an OrtValue over the array's memory: the same bytes are past and present
+            cache.values = [ortvalue(array, self.kv_type) for array in cache]
         logits = run_in_place(self.session, cache, cache.values, self.past_names, self.output_names[1:],
                               (input_ids, attention_mask, position_ids), self.logits_last, self.vocab_size,
                               self.logits_dtype)

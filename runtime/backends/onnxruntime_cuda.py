@@ -28,7 +28,7 @@ import numpy as np
 from ..artifact import version_tuple
 from ..errors import IncompatibleArtifact
 from ..manifest import Interface, Manifest, Variant
-from .base import ClosesOnExit, HostFit, Limits, expand, provider_names
+from .base import STORED_AS, ClosesOnExit, HostFit, Limits, expand, host_dtype, ortvalue, provider_names
 from .onnxruntime import front_mask, require_providers, row_lengths, run_in_place
 
 CUDA_PROVIDERS = ("CUDAExecutionProvider", "CPUExecutionProvider")  # the CPU's: shape arithmetic
@@ -65,6 +65,9 @@ def refusal(entry: Variant, providers: list[str] | None = None) -> str | None:
     """Why this host may not run the variant with `providers`, before anything loads: CUDA asked for (or
     left to the default) where this onnxruntime has no CUDA provider or no GPU is visible."""
     if providers is not None and "CUDAExecutionProvider" not in provider_names(providers):
+        if entry.interface.kv_dtype == "bfloat16":
+            return (f"variant {entry.name!r} is bfloat16, which ONNX Runtime's CPU provider has no kernels for (its "
+                    "attention, MatMuls, Where); run it with --device cuda, or an fp16 variant with --device cpu")
         return None  # the CPU provider alone: the graph as compile-model validated it
     why = cuda_missing()
     asked = _device_id(providers or CUDA_PROVIDERS)
@@ -173,7 +176,8 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
         self.present_names = expand(interface.present, interface.layers)
         self.kv_heads, self.head_dim = interface.kv_heads, interface.head_dim
         self.vocab_size = interface.vocab_size
-        self.kv_dtype = np.dtype(interface.kv_dtype)
+        self.kv_type = interface.kv_dtype
+        self.kv_dtype = host_dtype(interface.kv_dtype)
         self.logits_dtype = np.dtype(interface.logits_dtype)
         self.logits_last = interface.logits == "last"
         # GroupQueryAttention takes a prompt in pieces for one row at a time; a first prompt cannot run into
@@ -184,6 +188,9 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
         import onnxruntime as ort
 
         shape = (batch, self.kv_heads, capacity, self.head_dim)
+        if self.kv_type in STORED_AS:  # no numpy type to copy up: a one-slot host seed, gathered into empty rows
+            seed = ortvalue(np.zeros((1, self.kv_heads, 1, self.head_dim), self.kv_dtype), self.kv_type)
+            return DeviceKvCache([self._gather(seed, [-1] * batch, 0, capacity) for _ in self.past_names], 0, batch)
         zeros = [np.zeros(shape, self.kv_dtype) for _ in self.past_names]  # copied to a GPU; wrapped in host memory
         cache = DeviceKvCache([ort.OrtValue.ortvalue_from_numpy(z, self.device, self.device_id) for z in zeros], 0,
                               batch)

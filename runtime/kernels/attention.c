@@ -41,7 +41,17 @@
    they are stored, and every key and value read is widened exactly, so the sums above run in fp32 in
    the same order: the fp32 op's numbers for the values the cache holds. A decode step reads the whole
    cache of every row, which at batch 32 and a few hundred tokens is more bytes than an int8 model's
-   weights: half of them is the point. */
+   weights: half of them is the point.
+
+   ai.kiln::GroupQueryAttentionInt8Cache is the same op over an 8-bit cache (the recipe's kv_cache: int8):
+   past and present int8 [b, kv_heads, slots, d + 4], each slot of each head d codes then its scale, an
+   fp32 in the last 4 bytes. A key (rotated in fp32) or value is stored as scale = max|x| / 127 and codes
+   round-to-nearest-even(x * (127 / max|x|)); every number read is code * scale in fp32, so the sums
+   above run in fp32 in the same order over the values the cache holds. Why a scale per slot and head
+   (d numbers): a token's keys and values are written once, when it comes, so a scale over anything
+   wider than the token would have to be fixed before the numbers it covers are known, or rewritten;
+   and a head's numbers share a range far more than a layer's do. A decode step then reads d + 4 bytes
+   a slot and head where fp32 reads 4 d (3.8x fewer at d = 64). */
 
 /* Every multiply and add below must round as written (setup.py builds with -ffp-contract=off): a fused
    multiply-add where ONNX Runtime's kernels round twice would change the last bit. */
@@ -58,6 +68,7 @@
 
 #define NAME "GroupQueryAttention"
 #define HALF_NAME "GroupQueryAttentionFp16Cache"
+#define INT8_NAME "GroupQueryAttentionInt8Cache"
 #define LANES 16
 #define MAX_HEAD_SIZE 256
 #define POSITIONS_PER_ITEM 16
@@ -69,20 +80,24 @@
 enum { QUERY, KEY, VALUE, PAST_KEY, PAST_VALUE, SEQLENS_K, TOTAL_LENGTH, COS_CACHE, SIN_CACHE, POSITION_IDS,
        ATTENTION_BIAS, INPUT_COUNT };
 
+/* How a KV cache holds its numbers: one op per format (the table a kernel is made from says which). */
+enum { CACHE_FP32, CACHE_FP16, CACHE_INT8 };
+#define SCALE_BYTES 4  /* an int8 cache's fp32 scale after each slot's d codes */
+
 typedef struct {
     int64_t heads, kv_heads;
     float scale;  /* 0: 1 / sqrt(d) */
     int rotary, interleaved;
     long l2;      /* the L2 cache's bytes, which size ONNX Runtime's KV blocks */
-    int half_cache;  /* the KV cache in fp16 (GroupQueryAttentionFp16Cache) */
+    int format;   /* the KV cache's: CACHE_FP32, CACHE_FP16 (GroupQueryAttentionFp16Cache), CACHE_INT8 */
 } Kernel;
 
 typedef struct {
     int64_t batch, seq, heads, kv_heads, group, d;
     const float *q, *k, *v;        /* row 0, token 0: its first query head, key head, value head */
     int64_t q_stride, kv_stride;   /* floats from one token's to the next */
-    void *keys, *values;           /* present [batch][kv_heads][slots][d], fp32 or (half_cache) fp16 */
-    int half_cache;
+    void *keys, *values;           /* present [batch][kv_heads][slots][d], in `format` (int8: [d + 4] bytes) */
+    int format;
     int64_t slots;
     const int32_t* seqlens;
     int first_prompt;
@@ -142,10 +157,45 @@ static int64_t gemm_slice(int64_t columns, int64_t depth) {
     return stride_k;
 }
 
-/* 16 of a KV cache's numbers from element i: fp32 as they are, fp16 widened (exactly). */
-static inline __attribute__((always_inline)) __m512 load_cached(const void* cache, int64_t i, int half) {
-    return half ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)cache + i)))
-                : _mm512_loadu_ps((const float*)cache + i);
+/* Bytes a KV cache's slot of one head takes: d numbers of 4 or 2 bytes, or d codes and a scale. */
+static inline size_t slot_size(int format, int64_t d) {
+    return format == CACHE_INT8 ? (size_t)d + SCALE_BYTES : (format == CACHE_FP16 ? 2 : 4) * (size_t)d;
+}
+
+/* A head's slot `slot`, counted from `cache`, as an address. */
+static inline const void* slot_at(const void* cache, int64_t slot, int format, int64_t d) {
+    return (const char*)cache + slot * (int64_t)slot_size(format, d);
+}
+
+/* 16 of a KV cache's numbers, slot j's from dimension c (slots counted from `slots`): fp32 as they are,
+   fp16 widened (exactly), int8 codes times their slot's scale (one rounding, in fp32). */
+static inline __attribute__((always_inline)) __m512 load_cached(const void* slots, int64_t j, int64_t c, int64_t d,
+                                                                int format) {
+    if (format == CACHE_FP16)
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i*)((const uint16_t*)slots + j * d + c)));
+    if (format == CACHE_INT8) {
+        const int8_t* slot = (const int8_t*)slots + j * (d + SCALE_BYTES);
+        float scale;
+        memcpy(&scale, slot + d, sizeof scale);
+        __m512 codes = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)(slot + c))));
+        return _mm512_mul_ps(codes, _mm512_set1_ps(scale));
+    }
+    return _mm512_loadu_ps((const float*)slots + j * d + c);
+}
+
+/* x [d] into an int8 cache's slot: codes round-to-nearest-even(x * (127 / max|x|)), then the scale
+   max|x| / 127 (0 and all-zero codes where x is all zeros). */
+static void store_int8(const float* x, int64_t d, int8_t* slot) {
+    __m512 most = _mm512_setzero_ps();
+    for (int64_t c = 0; c < d; c += LANES) most = _mm512_max_ps(most, _mm512_abs_ps(_mm512_loadu_ps(x + c)));
+    float largest = _mm512_reduce_max_ps(most), scale = largest / 127.0f;
+    __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
+    for (int64_t c = 0; c < d; c += LANES) {
+        __m512i codes = _mm512_cvt_roundps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + c), inverse),
+                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        _mm_storeu_si128((__m128i*)(slot + c), _mm512_cvtsepi32_epi8(codes));
+    }
+    memcpy(slot + d, &scale, sizeof scale);
 }
 
 /* 16 numbers as fp16 for an fp16 cache: rounded to nearest even, past fp16's largest finite number held
@@ -156,13 +206,6 @@ static inline __m256i to_half(__m512 x) {
     return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
-/* Bytes a KV cache's number takes: 2 in an fp16 cache (half), else 4. */
-static inline size_t cached_size(int half) { return half ? 2 : 4; }
-
-/* The cache's element i as an address. */
-static inline const void* cached_at(const void* cache, int64_t i, int half) {
-    return (const char*)cache + i * (int64_t)cached_size(half);
-}
 
 /* r[j] <- r's column j: a 16 x 16 transpose in registers. */
 static inline __attribute__((always_inline)) void transpose16(__m512* r) {
@@ -190,11 +233,11 @@ static inline __attribute__((always_inline)) void transpose16(__m512* r) {
 }
 
 /* keys [count <= 16][d] -> columns [d][16] (columns past count zero): the 16 keys side by side, one
-   vector per dimension, as MLAS packs the transposed B of Q K^T; fp16 keys widened. */
-static void transpose_keys(const void* keys, int64_t count, int64_t d, float* columns, int half) {
+   vector per dimension, as MLAS packs the transposed B of Q K^T; fp16 and int8 keys widened. */
+static void transpose_keys(const void* keys, int64_t count, int64_t d, float* columns, int format) {
     for (int64_t k0 = 0; k0 < d; k0 += LANES) {
         __m512 r[16];
-        for (int64_t j = 0; j < LANES; j++) r[j] = j < count ? load_cached(keys, j * d + k0, half) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < LANES; j++) r[j] = j < count ? load_cached(keys, j, k0, d, format) : _mm512_setzero_ps();
         transpose16(r);
         for (int64_t t = 0; t < LANES; t++) _mm512_storeu_ps(columns + (k0 + t) * LANES, r[t]);
     }
@@ -327,16 +370,16 @@ enum {
 
 /* outs[r][c .. c + 16 width) = sum over keys j < n of probs[r][j] * value j, for rows r < rows (<= 4), each
    value vector loaded once for all the rows, summed as `order` says; with `accumulate` the sum starts from
-   outs (SGEMM's beta = 1); fp16 values widened. Inlined with literal rows, width, order and half. */
+   outs (SGEMM's beta = 1); fp16 and int8 values widened. Inlined with literal rows, width, order and format. */
 static inline __attribute__((always_inline)) void weighted_sum(float* const* probs, int rows, int64_t n,
                                                                const void* values, int64_t d, int64_t c, int width,
                                                                int order, int64_t slice, int accumulate,
-                                                               float* const* outs, int half) {
+                                                               float* const* outs, int format) {
     __m512 sum[4][4];
     for (int r = 0; r < rows; r++)
         for (int t = 0; t < width; t++)
             sum[r][t] = accumulate ? _mm512_loadu_ps(outs[r] + c + t * LANES) : _mm512_setzero_ps();
-#define VALUE(J, T) load_cached(values, (J) * d + c + (T) * LANES, half)
+#define VALUE(J, T) load_cached(values, J, c + (T) * LANES, d, format)
 #define TERM(R, J, V) _mm512_mul_ps(_mm512_set1_ps(probs[R][J]), V)
     if (order == DECODE_GEMV) {
         for (int64_t j = 0; j < n; j++)
@@ -392,7 +435,7 @@ static inline __attribute__((always_inline)) void weighted_sum(float* const* pro
 }
 
 static void weighted_sums(float* const* probs, int rows, int64_t n, const void* values, int64_t d, int order,
-                          int64_t slice, int accumulate, float* const* outs, int half) {
+                          int64_t slice, int accumulate, float* const* outs, int format) {
     for (int64_t c = 0; c < d; c += 4 * LANES) {
         int width = d - c >= 4 * LANES ? 4 : (int)((d - c) / LANES);
 #define CASE(R, O, H) if (width == 4) weighted_sum(probs, R, n, values, d, c, 4, O, slice, accumulate, outs, H); \
@@ -401,7 +444,7 @@ static void weighted_sums(float* const* probs, int rows, int64_t n, const void* 
                      else if (order == SGEMM_M1) { CASE(R, SGEMM_M1, H); } else { CASE(R, SGEMM, H); }
 #define ROWS(H) switch (rows) { case 1: ORDERS(1, H); break; case 2: ORDERS(2, H); break; \
                                 case 3: ORDERS(3, H); break; default: ORDERS(4, H); break; }
-        if (half) { ROWS(1) } else { ROWS(0) }
+        if (format == CACHE_FP16) { ROWS(CACHE_FP16) } else if (format == CACHE_INT8) { ROWS(CACHE_INT8) } else { ROWS(CACHE_FP32) }
 #undef ROWS
 #undef ORDERS
 #undef CASE
@@ -418,9 +461,9 @@ static void attend(const Job* job, int64_t item, float* scratch) {
     int64_t row = item / job->chunks / job->kv_heads;
     int64_t d = job->d, group = job->group, past = past_of(job, row), total = (int64_t)job->seqlens[row] + 1;
     int64_t first = chunk * POSITIONS_PER_ITEM, last = first + POSITIONS_PER_ITEM < job->seq ? first + POSITIONS_PER_ITEM : job->seq;
-    int half = job->half_cache;
-    const void* keys = cached_at(job->keys, (row * job->kv_heads + g) * job->slots * d, half);
-    const void* values = cached_at(job->values, (row * job->kv_heads + g) * job->slots * d, half);
+    int format = job->format;
+    const void* keys = slot_at(job->keys, (row * job->kv_heads + g) * job->slots, format, d);
+    const void* values = slot_at(job->values, (row * job->kv_heads + g) * job->slots, format, d);
     float* queries = scratch + group * job->padded_keys;
     float* unnormalized = queries + group * d;  /* a prompt row's outputs before 1 / sum, per query head */
     float* columns = unnormalized + group * d;  /* [d][16]: one block of keys transposed */
@@ -474,13 +517,13 @@ static void attend(const Job* job, int64_t item, float* scratch) {
                     block_columns = transposed + key_block * d * LANES;
                     if (key_block == held) {  /* positions visit the blocks in order from slot 0 */
                         int64_t slot = key_block * LANES;
-                        transpose_keys(cached_at(keys, slot * d, half), job->slots - slot < LANES ? job->slots - slot : LANES,
-                                       d, transposed + key_block * d * LANES, half);
+                        transpose_keys(slot_at(keys, slot, format, d), job->slots - slot < LANES ? job->slots - slot : LANES,
+                                       d, transposed + key_block * d * LANES, format);
                         held++;
                     }
                 } else {
-                    transpose_keys(cached_at(keys, (start + j0) * d, half), live - j0 < LANES ? live - j0 : LANES, d,
-                                   columns, half);
+                    transpose_keys(slot_at(keys, start + j0, format, d), live - j0 < LANES ? live - j0 : LANES, d,
+                                   columns, format);
                 }
                 for (int64_t h = 0; h < group; h += 4) {
                     int rows = group - h < 4 ? (int)(group - h) : 4;
@@ -519,8 +562,8 @@ static void attend(const Job* job, int64_t item, float* scratch) {
             }
             int64_t count = order == SGEMM_M1 ? in_block : live;
             for (int64_t h = 0; h < group; h += 4)
-                weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, count, cached_at(values, start * d, half),
-                              d, order, gemm_slice(d, in_block), start > 0, sums + h, half);
+                weighted_sums(probs + h, group - h < 4 ? (int)(group - h) : 4, count, slot_at(values, start, format, d),
+                              d, order, gemm_slice(d, in_block), start > 0, sums + h, format);
         }
         for (int64_t h = 0; h < group; h++) {
             __m512 factor = _mm512_set1_ps(summed[h] > 0.0f ? 1.0f / summed[h] : 0.0f);
@@ -542,6 +585,10 @@ static void run_shard(void* data, size_t shard) {
 
 static const char* op_name(const OrtCustomOp* op);
 
+static int cache_format(const OrtCustomOp* op) {
+    return op == &kiln_attention_fp16_cache_op ? CACHE_FP16 : op == &kiln_attention_int8_cache_op ? CACHE_INT8 : CACHE_FP32;
+}
+
 static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const OrtKernelInfo* info, void** out) {
     (void)api_;
     int64_t heads = kiln_attribute_int(info, "num_heads", 0), kv_heads = kiln_attribute_int(info, "kv_num_heads", 0);
@@ -559,7 +606,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
     Kernel* kernel = calloc(1, sizeof(Kernel));
     if (!kernel) return kiln_op_error(ORT_FAIL, op_name(op), "out of memory");
     *kernel = (Kernel){heads, kv_heads, kiln_attribute_float(info, "scale", 0.0f), (int)rotary, (int)interleaved,
-                       sysconf(_SC_LEVEL2_CACHE_SIZE), op == &kiln_attention_fp16_cache_op};
+                       sysconf(_SC_LEVEL2_CACHE_SIZE), cache_format(op)};
     *out = kernel;
     return NULL;
 }
@@ -568,7 +615,7 @@ static OrtStatus* create_kernel(const OrtCustomOp* op, const OrtApi* api_, const
 
 static OrtStatus* compute(void* data, OrtKernelContext* context) {
     const Kernel* kernel = data;
-    const char* name = kernel->half_cache ? HALF_NAME : NAME;
+    const char* name = kernel->format == CACHE_FP16 ? HALF_NAME : kernel->format == CACHE_INT8 ? INT8_NAME : NAME;
     const OrtValue* in[INPUT_COUNT];
     int64_t dims[INPUT_COUNT][4];
     size_t rank[INPUT_COUNT];
@@ -592,9 +639,13 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
             if (rank[i] != 3 || dims[i][0] != batch || dims[i][1] != seq || dims[i][2] != kv_heads * d)
                 return INVALID("key and value must be [batch, seq, kv_num_heads * head size]");
     if (!in[PAST_KEY] || !in[PAST_VALUE]) return INVALID("past_key and past_value are required");
+    int64_t width = kernel->format == CACHE_INT8 ? d + SCALE_BYTES : d;  /* an int8 cache's slot: codes, scale */
     for (int i = PAST_KEY; i <= PAST_VALUE; i++)
-        if (rank[i] != 4 || dims[i][0] != batch || dims[i][1] != kv_heads || dims[i][3] != d || dims[i][2] != dims[PAST_KEY][2])
-            return INVALID("past_key and past_value must be [batch, kv_num_heads, slots, head size]");
+        if (rank[i] != 4 || dims[i][0] != batch || dims[i][1] != kv_heads || dims[i][3] != width ||
+            dims[i][2] != dims[PAST_KEY][2])
+            return INVALID(kernel->format == CACHE_INT8
+                           ? "past_key and past_value must be [batch, kv_num_heads, slots, head size + 4]"
+                           : "past_key and past_value must be [batch, kv_num_heads, slots, head size]");
     if (rank[SEQLENS_K] != 1 || dims[SEQLENS_K][0] != batch) return INVALID("seqlens_k must be [batch]");
     if (rank[TOTAL_LENGTH] > 1 || (rank[TOTAL_LENGTH] == 1 && dims[TOTAL_LENGTH][0] != 1))
         return INVALID("total_sequence_length must be one number");
@@ -627,7 +678,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
         return INVALID("attention_bias must be [batch or 1, num_heads or 1, seq, at least a row's slots]");
 
     OrtValue *output, *present_key, *present_value;
-    int64_t out_dims[3] = {batch, seq, heads * d}, present_dims[4] = {batch, kv_heads, slots, d};
+    int64_t out_dims[3] = {batch, seq, heads * d}, present_dims[4] = {batch, kv_heads, slots, width};
     if ((status = kiln_output(context, 0, out_dims, 3, &output)) ||
         (status = kiln_output(context, 1, present_dims, 4, &present_key)) ||
         (status = kiln_output(context, 2, present_dims, 4, &present_value)))
@@ -646,7 +697,7 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
                query, packed ? query + heads * d : kiln_data_of(in[KEY]),
                packed ? query + (heads + kv_heads) * d : kiln_data_of(in[VALUE]),
                packed ? (heads + 2 * kv_heads) * d : heads * d, packed ? (heads + 2 * kv_heads) * d : kv_heads * d,
-               keys, values, kernel->half_cache, slots, seqlens, first_prompt,
+               keys, values, kernel->format, slots, seqlens, first_prompt,
                kernel->rotary ? kiln_data_of(in[COS_CACHE]) : NULL, kernel->rotary ? kiln_data_of(in[SIN_CACHE]) : NULL,
                half, kernel->interleaved,
                in[ATTENTION_BIAS] ? kiln_data_of(in[ATTENTION_BIAS]) : NULL,
@@ -677,8 +728,8 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
 
     /* The cache first: a copy of past where present is not its buffer (what ONNX Runtime's op writes:
        zeros, then each row's past slots), then every row's new keys, rotated, and values (an fp16 cache
-       gets them rounded to nearest even). */
-    size_t element = cached_size(kernel->half_cache), head_bytes = element * (size_t)(slots * d);
+       gets them rounded to nearest even, an int8 one codes and a scale a slot). */
+    size_t slot_bytes = slot_size(kernel->format, d), head_bytes = slot_bytes * (size_t)slots;
     for (int kind = 0; kind < 2; kind++) {
         char* cache = kind ? values : keys;
         const char* past = kind ? past_value : past_key;
@@ -687,8 +738,8 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
         for (int64_t r = 0; r < batch; r++) {
             int64_t kept = past_of(&job, r) < past_slots ? past_of(&job, r) : past_slots;
             for (int64_t g = 0; g < kv_heads; g++)
-                memcpy(cache + element * (size_t)((r * kv_heads + g) * slots * d),
-                       past + element * (size_t)((r * kv_heads + g) * past_slots * d), element * (size_t)(kept * d));
+                memcpy(cache + slot_bytes * (size_t)((r * kv_heads + g) * slots),
+                       past + slot_bytes * (size_t)((r * kv_heads + g) * past_slots), slot_bytes * (size_t)kept);
         }
     }
     float rotated[MAX_HEAD_SIZE];
@@ -697,12 +748,18 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
             for (int64_t g = 0; g < kv_heads; g++) {
                 int64_t slot = past_of(&job, r) + i;
                 int64_t at = ((r * kv_heads + g) * slots + slot) * d, from = (r * seq + i) * job.kv_stride + g * d;
-                if (!kernel->half_cache) {
+                if (kernel->format == CACHE_FP32) {
                     rotate(&job, job.k + from, (float*)keys + at, slot);
                     memcpy((float*)values + at, job.v + from, sizeof(float) * (size_t)d);
                     continue;
                 }
                 rotate(&job, job.k + from, rotated, slot);
+                if (kernel->format == CACHE_INT8) {
+                    size_t offset = slot_bytes * (size_t)((r * kv_heads + g) * slots + slot);
+                    store_int8(rotated, d, (int8_t*)keys + offset);
+                    store_int8(job.v + from, d, (int8_t*)values + offset);
+                    continue;
+                }
                 for (int64_t c = 0; c < d; c += LANES) {
                     _mm256_storeu_si256((__m256i*)((uint16_t*)keys + at + c), to_half(_mm512_loadu_ps(rotated + c)));
                     _mm256_storeu_si256((__m256i*)((uint16_t*)values + at + c), to_half(_mm512_loadu_ps(job.v + from + c)));
@@ -717,14 +774,17 @@ static OrtStatus* compute(void* data, OrtKernelContext* context) {
     return NULL;
 }
 
-static const char* op_name(const OrtCustomOp* op) { return op == &kiln_attention_fp16_cache_op ? HALF_NAME : NAME; }
+static const char* op_name(const OrtCustomOp* op) {
+    return cache_format(op) == CACHE_FP16 ? HALF_NAME : cache_format(op) == CACHE_INT8 ? INT8_NAME : NAME;
+}
+static int cache_type(const OrtCustomOp* op) {
+    return cache_format(op) == CACHE_FP16 ? TYPE_FLOAT16 : cache_format(op) == CACHE_INT8 ? TYPE_INT8 : TYPE_FLOAT;
+}
 static int input_type(const OrtCustomOp* op, size_t i) {
-    if (op == &kiln_attention_fp16_cache_op && (i == PAST_KEY || i == PAST_VALUE)) return TYPE_FLOAT16;
+    if (i == PAST_KEY || i == PAST_VALUE) return cache_type(op);
     return i == SEQLENS_K || i == TOTAL_LENGTH ? TYPE_INT32 : i == POSITION_IDS ? TYPE_INT64 : TYPE_FLOAT;
 }
-static int output_type(const OrtCustomOp* op, size_t i) {
-    return op == &kiln_attention_fp16_cache_op && i > 0 ? TYPE_FLOAT16 : TYPE_FLOAT;
-}
+static int output_type(const OrtCustomOp* op, size_t i) { return i > 0 ? cache_type(op) : TYPE_FLOAT; }
 static size_t input_count(const OrtCustomOp* op) { (void)op; return INPUT_COUNT; }
 static size_t output_count(const OrtCustomOp* op) { (void)op; return 3; }
 static int input_characteristic(const OrtCustomOp* op, size_t i) {
@@ -732,7 +792,7 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) {
     return i == QUERY || i == PAST_KEY || i == PAST_VALUE || i == SEQLENS_K || i == TOTAL_LENGTH ? REQUIRED : OPTIONAL;
 }
 
-/* Two tables, one op: the table a kernel is made from says which cache it reads (create_kernel), and
+/* Three tables, one op: the table a kernel is made from says which cache it reads (create_kernel), and
    the names and types differ by it. */
 #define ATTENTION_TABLE KILN_OP_COMMON, .GetName = op_name, .GetInputType = input_type, .GetOutputType = output_type, \
     .GetInputTypeCount = input_count, .GetOutputTypeCount = output_count,                                          \
@@ -740,3 +800,5 @@ static int input_characteristic(const OrtCustomOp* op, size_t i) {
 OrtCustomOp kiln_attention_op = {ATTENTION_TABLE};
 /* The same op over an fp16 KV cache: past and present fp16, the rest as above. */
 OrtCustomOp kiln_attention_fp16_cache_op = {ATTENTION_TABLE};
+/* The same over an 8-bit cache: past and present int8 [.., head size + 4], codes and a scale a slot. */
+OrtCustomOp kiln_attention_int8_cache_op = {ATTENTION_TABLE};

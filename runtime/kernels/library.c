@@ -22,8 +22,8 @@ const OrtApi* kiln_api;
    is then not run at all. 2: a right-padded first prompt's rows computed as alone (attention.c). 3: the
    op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). 5:
    MatMulInt4BlocksBf16 (int8_blocks.c). 6: MatMulInt4BlocksBf16 on CPUs without AVX-512 BF16 too. 7: the
-   op MatMulFp32 (matmul_fp32.c). */
-int kiln_cpu_kernels_version(void) { return 7; }
+   op MatMulFp32 (matmul_fp32.c). 8: GroupQueryAttentionInt8Cache, attention over an 8-bit KV cache. */
+int kiln_cpu_kernels_version(void) { return 8; }
 
 /* Whether MatMulInt4BlocksBf16 runs AVX-512 BF16's instructions here, or their numbers with fused
    multiply-adds (no AVX-512 BF16, or KILN_CPU_KERNELS_BF16=fma: to measure that path on a CPU with it). */
@@ -237,7 +237,8 @@ static void setup(void) {
         return;
     }
     OrtCustomOp* ops[] = {&kiln_int8_blocks_op, &kiln_int4_blocks_op, &kiln_int4_bf16_op, &kiln_attention_op,
-                          &kiln_attention_fp16_cache_op, &kiln_swiglu_op, &kiln_matmul_fp32_op};
+                          &kiln_attention_fp16_cache_op, &kiln_attention_int8_cache_op, &kiln_swiglu_op,
+                          &kiln_matmul_fp32_op};
     OrtCustomOpDomain* made = NULL;
     OrtStatus* status = CALL(API_CreateCustomOpDomain, OrtStatus* (*)(const char*, OrtCustomOpDomain**))("ai.kiln", &made);
     for (size_t i = 0; !status && i < sizeof ops / sizeof *ops; i++)

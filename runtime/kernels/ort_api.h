@@ -53,6 +53,7 @@ enum {
 #define ORT_INVALID_ARGUMENT 2
 #define TYPE_FLOAT 1
 #define TYPE_UINT8 2
+#define TYPE_INT8 3
 #define TYPE_INT32 6
 #define TYPE_INT64 7
 #define TYPE_FLOAT16 10
@@ -88,7 +89,7 @@ typedef struct OrtCustomOp {
 /* The ops, one table each (int8_blocks.c, attention.c, swiglu.c, matmul_fp32.c). */
 int kiln_cpu_kernels_bf16(void);  /* MatMulInt4BlocksBf16 on AVX-512 BF16's instructions, else on FMA */
 extern OrtCustomOp kiln_int8_blocks_op, kiln_int4_blocks_op, kiln_int4_bf16_op, kiln_attention_op,
-    kiln_attention_fp16_cache_op, kiln_swiglu_op, kiln_matmul_fp32_op;
+    kiln_attention_fp16_cache_op, kiln_attention_int8_cache_op, kiln_swiglu_op, kiln_matmul_fp32_op;
 
 /* -- shared by the ops (library.c) ----------------------------------------------------------------- */
 

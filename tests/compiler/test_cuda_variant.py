@@ -27,6 +27,8 @@ VARIANTS = """\
   - {name: cuda-fp16, target: onnxruntime-cuda, precision: fp16}
   - {name: cpu-fp16, target: onnxruntime, precision: fp16}
   - {name: cuda-int4, target: onnxruntime-cuda, precision: fp16, quantize: {mode: int4, block_size: 16}}
+  - {name: cuda-bf16, target: onnxruntime-cuda, precision: bf16}
+  - {name: cuda-bf16-int4, target: onnxruntime-cuda, precision: bf16, quantize: {mode: int4, block_size: 16}}
 """
 NO_CUDA = cuda_missing() is not None
 
@@ -100,9 +102,9 @@ def test_a_host_without_cuda_skips_the_variant_and_refuses_it_by_name(cuda_artif
 @pytest.mark.parametrize(("variant", "message"), [
     ("{name: c, target: onnxruntime-cuda, precision: fp16, fuse: false}",
      "fuse: false cannot be built for onnxruntime-cuda"),
-    ("{name: c, target: onnxruntime-cuda}", "fp32 cannot be built for onnxruntime-cuda; allowed: fp16, fp16 + int4"),
+    ("{name: c, target: onnxruntime-cuda}", "fp32 cannot be built for onnxruntime-cuda; allowed: bf16, bf16 + int4, fp16, fp16 + int4"),
     ("{name: c, target: onnxruntime-cuda, precision: fp16, quantize: {mode: int8-dynamic}}",
-     "fp16 + int8-dynamic cannot be built for onnxruntime-cuda; allowed: fp16, fp16 + int4"),
+     "fp16 + int8-dynamic cannot be built for onnxruntime-cuda; allowed: bf16, bf16 + int4, fp16, fp16 + int4"),
     ("{name: c, target: onnxruntime-cuda, precision: fp16, cpu_kernels: required}",
      "cpu_kernels: required is for onnxruntime variants"),
 ])
@@ -235,3 +237,88 @@ def test_int4_weights_over_half_precision_activations(cuda_artifact):
     assert all(scales[n.input[2]] == onnx.TensorProto.FLOAT16 for n in blocks)
     report = json.loads((cuda_artifact / "reports" / "cuda-int4.json").read_text())
     assert report["summary"]["perplexity_change"] < 0.05  # measured against eager on the CPU provider
+
+
+@pytest.mark.parametrize("name", ["cuda-bf16", "cuda-bf16-int4"])
+def test_bf16_variants_are_bfloat16_on_cuda_and_meet_the_gates_through_their_fp32_twin(cuda_artifact, name):
+    """precision: bf16: every half tensor of the fp16 graph in bfloat16 (the KV cache, the weights or the
+    int4 scales), every compute node predicted on CUDA, and the gates measured on its fp32 twin, which
+    the CPU provider runs (it has no bfloat16 MatMul or attention)."""
+    import ml_dtypes
+
+    from compiler.graph import initializer_array
+
+    manifest = json.loads((cuda_artifact / "manifest.json").read_text())
+    entry = manifest["variants"][name]
+    assert entry["status"] == "built" and entry["interface"]["inputs"][3]["dtype"] == "bfloat16"
+    graph = onnx.load(str(cuda_artifact / entry["model"]), load_external_data=False)
+    kv = {v.name for v in graph.graph.input if v.type.tensor_type.elem_type == onnx.TensorProto.BFLOAT16}
+    assert kv == {f"past_key_values.{layer}.{kind}" for layer in (0, 1) for kind in ("key", "value")}
+    types = {i.data_type for i in graph.graph.initializer}
+    assert onnx.TensorProto.FLOAT16 not in types and onnx.TensorProto.BFLOAT16 in types
+    assert predict(graph).all_on_cuda, predict(graph).on_cpu
+    if name == "cuda-bf16":  # weights rounded from fp32 to bf16 once, not through fp16
+        fp16 = manifest["variants"]["cuda-fp16"]
+        half = onnx.load(str(cuda_artifact / fp16["model"]), load_external_data=False)
+        embed = next(i for i in graph.graph.initializer if "embed" in i.name)
+        embed16 = next(i for i in half.graph.initializer if i.name == embed.name)
+        bf16 = initializer_array(embed, (cuda_artifact / entry["model"]).parent)
+        via_fp16 = initializer_array(embed16, (cuda_artifact / fp16["model"]).parent)
+        assert np.abs(bf16.astype(np.float32) - via_fp16.astype(np.float32)).max() < 2 ** -7
+    report = json.loads((cuda_artifact / "reports" / f"{name}.json").read_text())
+    assert report["passed"] and "fp32 twin" in report["b"]["description"]
+    assert report["summary"]["perplexity_change"] < 0.05
+    del ml_dtypes
+
+
+def test_the_fp32_twin_rounds_what_each_node_writes_to_bf16(tmp_path):
+    """A bf16 MatMul then Add, and its twin on the CPU: the twin's output is numpy's fp32 product rounded to
+    bf16 (ml_dtypes), then the sum rounded again, as a GPU writes each node's output in bf16."""
+    import ml_dtypes
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from compiler.bf16 import fp32_twin
+
+    rng = np.random.default_rng(0)
+    weight = rng.standard_normal((8, 8)).astype(ml_dtypes.bfloat16)
+    bias = rng.standard_normal(8).astype(ml_dtypes.bfloat16)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["y"]), helper.make_node("Add", ["y", "b"], ["z"]),
+             helper.make_node("Cast", ["z"], ["out"], to=TensorProto.FLOAT)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.BFLOAT16, [2, 8])],
+                              [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 8])],
+                              [numpy_helper.from_array(weight, "w"), numpy_helper.from_array(bias, "b")])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)], ir_version=8)
+    with pytest.raises(Exception, match="NOT_IMPLEMENTED|bfloat16|BFloat16"):
+        ort.InferenceSession(proto.SerializeToString(), providers=["CPUExecutionProvider"])
+    twin = fp32_twin(proto, tmp_path)
+    x = rng.standard_normal((2, 8)).astype(ml_dtypes.bfloat16)
+    out = ort.InferenceSession(twin.SerializeToString(), providers=["CPUExecutionProvider"]).run(
+        None, {"x": x.astype(np.float32)})[0]
+    product = (x.astype(np.float32) @ weight.astype(np.float32)).astype(ml_dtypes.bfloat16)
+    expected = (product.astype(np.float32) + bias.astype(np.float32)).astype(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(out, expected)
+    unrounded = x.astype(np.float32) @ weight.astype(np.float32) + bias.astype(np.float32)
+    assert not np.array_equal(out, unrounded)  # the rounding is there to see
+
+
+def test_a_bf16_op_without_a_cuda_kernel_fails_the_placement():
+    """Einsum has CUDA kernels for fp32 and fp16, not bf16 (an MoE's dense experts): named as on the CPU."""
+    from onnx import TensorProto, helper
+
+    node = helper.make_node("Einsum", ["a", "b"], ["c"], equation="ij,jk->ik", name="experts")
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info(n, TensorProto.BFLOAT16, [2, 2])
+                                            for n in "ab"], [helper.make_tensor_value_info("c", TensorProto.BFLOAT16,
+                                                                                          [2, 2])])
+    placement = predict(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)]))
+    assert [n["node"] for n in placement.on_cpu] == ["experts"]
+    assert "T=bfloat16 (CUDA takes double, float, float16)" in placement.on_cpu[0]["why"]
+
+
+def test_a_bf16_variant_is_refused_on_the_cpu_in_one_line(cuda_artifact):
+    with pytest.raises(IncompatibleArtifact, match="variant 'cuda-bf16' is bfloat16, which ONNX Runtime's CPU "
+                                                   "provider has no kernels for"):
+        Generator.load(cuda_artifact, "cuda-bf16", providers=["CPUExecutionProvider"])
+    on_cpu = _run("runtime.cli", cuda_artifact, "--variant", "cuda-bf16", "--device", "cpu", "--prompt", "hi")
+    assert on_cpu.returncode == 2 and on_cpu.stderr.strip().count("\n") == 0
+    assert "is bfloat16" in on_cpu.stderr and "--device cuda" in on_cpu.stderr

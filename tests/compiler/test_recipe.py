@@ -114,7 +114,7 @@ BAD = {
         "variants.0.cpu_kernels: input should be 'optional' or 'required' (got 'always')",
     ),
     "kv cache of another type": (
-        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, kv_cache: int8}"),
+        ("{name: cpu-fp32, target: onnxruntime}", "{name: c, target: onnxruntime, kv_cache: bfloat16}"),
         "kv_cache",
     ),
     "int8-dynamic on tensorrt": (

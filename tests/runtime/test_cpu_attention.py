@@ -20,18 +20,21 @@ MASKED = -10000.0  # what the compiler's bias adds to a pad slot
 
 
 def attention_session(domain: str, heads: int, kv_heads: int, d: int, packed: bool = True, rotary: bool = True,
-                      bias: bool = False, half_cache: bool = False, **attributes) -> ort.InferenceSession:
+                      bias: bool = False, half_cache: bool = False, int8_cache: bool = False,
+                      **attributes) -> ort.InferenceSession:
     """One GroupQueryAttention node as the compiler writes it: packed q/k/v (or three inputs), past and
     present buffers (fp16 ones: Kiln's GroupQueryAttentionFp16Cache), seqlens_k and total_sequence_length,
     cos/sin caches, an additive bias."""
-    cache_type = TensorProto.FLOAT16 if half_cache else TensorProto.FLOAT
+    cache_type = TensorProto.FLOAT16 if half_cache else TensorProto.INT8 if int8_cache else TensorProto.FLOAT
+    slot_width = d + 4 if int8_cache else d
     width = (heads + 2 * kv_heads) * d if packed else heads * d
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["b", "s", width])]
     names = ["query", "", ""]
     if not packed:
         inputs += [helper.make_tensor_value_info(n, TensorProto.FLOAT, ["b", "s", kv_heads * d]) for n in ("key", "value")]
         names = ["query", "key", "value"]
-    inputs += [helper.make_tensor_value_info(n, cache_type, ["b", kv_heads, "slots", d]) for n in ("past_key", "past_value")]
+    inputs += [helper.make_tensor_value_info(n, cache_type, ["b", kv_heads, "slots", slot_width])
+               for n in ("past_key", "past_value")]
     inputs += [helper.make_tensor_value_info("seqlens_k", TensorProto.INT32, ["b"]),
                helper.make_tensor_value_info("total", TensorProto.INT32, [])]
     names += ["past_key", "past_value", "seqlens_k", "total"]
@@ -41,7 +44,8 @@ def attention_session(domain: str, heads: int, kv_heads: int, d: int, packed: bo
     if bias:
         inputs.append(helper.make_tensor_value_info("bias", TensorProto.FLOAT, ["b", 1, "s", "t"]))
         names += ["", "bias"]
-    op = cpu_kernels.ATTENTION_FP16_CACHE_OP if half_cache else "GroupQueryAttention"
+    op = cpu_kernels.ATTENTION_FP16_CACHE_OP if half_cache else cpu_kernels.ATTENTION_INT8_CACHE_OP if int8_cache \
+        else "GroupQueryAttention"
     node = helper.make_node(op, names, ["out", "present_key", "present_value"], domain=domain,
                             num_heads=heads, kv_num_heads=kv_heads, do_rotary=int(rotary), **attributes)
     outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, None)]
@@ -253,3 +257,96 @@ def test_what_it_does_not_take_is_refused_in_one_line():
     feeds["total"] = np.array(9, np.int32)
     with pytest.raises(Exception, match="seqlens_k \\+ 1 must be at least the new tokens and at most"):
         run(session, feeds, True)
+
+
+# -- an 8-bit cache (ai.kiln::GroupQueryAttentionInt8Cache) -------------------------------------------
+
+def int8_slots(x: np.ndarray) -> np.ndarray:
+    """x [..., d] as an int8 cache holds it, computed here in numpy: per slot d codes
+    rint(x * (127 / max|x|)) and the scale max|x| / 127 (fp32, in the last 4 bytes)."""
+    largest = np.abs(x).max(-1, keepdims=True)
+    inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
+    codes = np.clip(np.rint(x * inverse), -127, 127).astype(np.int8)
+    scale = (largest / np.float32(127)).astype(np.float32)
+    return np.concatenate([codes, scale.view(np.int8)], axis=-1)
+
+
+def int8_values(slots: np.ndarray) -> np.ndarray:
+    """What an int8 cache's slots hold: code times scale, in fp32."""
+    return slots[..., :-4].astype(np.float32) * np.ascontiguousarray(slots[..., -4:]).view(np.float32)
+
+
+def new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
+    """(row, kv head, slot, where in the query its key and value are) of every token the step writes."""
+    for row, length in enumerate(lengths):
+        past = 0 if first_prompt else length - seq
+        for i in range(seq):
+            for g in range(kv_heads):
+                yield row, g, past + i, i, (heads + g) * d, (heads + kv_heads + g) * d
+
+
+@pytest.mark.parametrize("name", HALF_CASES)
+@pytest.mark.parametrize("shared", [True, False], ids=["in place", "copied"])
+def test_an_int8_cache_gives_the_fp32_ops_numbers_for_the_values_it_holds(name, shared):
+    """The int8 op's outputs equal the fp32 op's run over the values its cache holds (its past dequantized,
+    the new keys and values as it stored them) bit for bit; and what it stored is numpy's quantization of
+    the new keys and values."""
+    heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, options = CASES[name]
+    if not options.get("packed", True):
+        pytest.skip("the comparison rewrites the packed query's keys and values")
+    data = {k: options[k] for k in ("bias",) if k in options}
+    feeds = inputs_for(np.random.default_rng(len(name)), heads, kv_heads, d, batch, seq, slots, lengths, first_prompt,
+                       rotary=False, **data)
+    packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    ours = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, int8_cache=True, **data),
+               packed, shared)
+    assert ours[1].dtype == np.int8 and ours[1].shape == (batch, kv_heads, max(slots, int(feeds["total"])), d + 4)
+    held = {**feeds, "query": feeds["query"].copy(), "past_key": int8_values(ours[1]), "past_value": int8_values(ours[2])}
+    for row, g, slot, i, key_at, value_at in new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
+        new_key, new_value = feeds["query"][row, i, key_at:key_at + d], feeds["query"][row, i, value_at:value_at + d]
+        assert np.array_equal(ours[1][row, g, slot], int8_slots(new_key))
+        assert np.array_equal(ours[2][row, g, slot], int8_slots(new_value))
+        held["query"][row, i, key_at:key_at + d] = held["past_key"][row, g, slot]
+        held["query"][row, i, value_at:value_at + d] = held["past_value"][row, g, slot]
+    fp32 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, **data), held, shared)
+    assert np.array_equal(ours[0], fp32[0])
+
+
+@pytest.mark.parametrize("name", ["decode, 32 rows", "prompt", "interleaved rotary", "partial rotary"])
+def test_an_int8_cache_holds_rotated_keys_quantized_once(name):
+    """With rotation: the stored keys are numpy's quantization of the fp32 op's rotated keys, and the
+    outputs near the fp32 op's (within the 8-bit rounding of the keys and values)."""
+    heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, options = CASES[name]
+    data = {k: options[k] for k in ("half",) if k in options}
+    attributes = {k: v for k, v in options.items() if k not in data}
+    feeds = inputs_for(np.random.default_rng(len(name)), heads, kv_heads, d, batch, seq, slots, lengths, first_prompt,
+                       **data)
+    fp32 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, **attributes), feeds, True)
+    packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    ours = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, int8_cache=True, **attributes), packed, True)
+    for row, g, slot, *_ in new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
+        assert np.array_equal(ours[1][row, g, slot], int8_slots(fp32[1][row, g, slot]))
+        assert np.array_equal(ours[2][row, g, slot], int8_slots(fp32[2][row, g, slot]))
+    assert np.allclose(ours[0], fp32[0], rtol=0, atol=0.1)
+    assert not np.array_equal(ours[0], fp32[0])
+
+
+def test_an_int8_caches_rows_do_not_depend_on_their_neighbours():
+    lengths = [7, 60, 33, 12]
+    feeds = inputs_for(np.random.default_rng(1), 9, 3, 64, 4, 1, 64, lengths, False)
+    feeds = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64, int8_cache=True)
+    together = run(session, feeds, True)
+    for row in range(4):
+        alone = {k: (v[row:row + 1] if k in ("query", "past_key", "past_value", "seqlens_k") else v)
+                 for k, v in feeds.items()}
+        alone["total"] = np.array(lengths[row], np.int32)
+        assert np.array_equal(run(session, alone, True)[0][0], together[0][row])
+
+
+def test_an_all_zero_slot_is_stored_with_scale_zero_and_reads_as_zeros():
+    feeds = inputs_for(np.random.default_rng(2), 9, 3, 64, 1, 1, 16, [5], False, rotary=False)
+    feeds["query"][0, 0, 9 * 64:10 * 64] = 0  # kv head 0's new key
+    packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    out = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64, rotary=False, int8_cache=True), packed, True)
+    assert not out[1][0, 0, 4].any() and np.isfinite(out[0]).all()
