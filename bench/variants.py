@@ -46,7 +46,7 @@ def step_ms(backend, context: int, repeats: int = 15) -> float:
     cache = backend.new_cache(1, context + 1)
     mask = np.ones((1, context + 1), np.int64)
     if not backend.shared:
-        cache = [np.zeros((1, backend.kv_heads, context, backend.head_dim), backend.kv_dtype) for _ in cache]
+        cache = [np.zeros((1, backend.kv_heads, context, backend.kv_width), backend.kv_dtype) for _ in cache]
     times = []
     for _ in range(repeats + 3):
         start = time.perf_counter()

@@ -99,12 +99,17 @@ def cpu_graph(artifact: OnnxArtifact) -> OnnxArtifact:
     written once beside it (in `<folder>.fp32-twin`)."""
     if not is_bfloat16(artifact.interface):
         return artifact
-    folder = artifact.folder.with_name(artifact.folder.name + TWIN_SUFFIX)
+    folder = twin_folder(artifact)
     interface = retyped_kv(artifact.interface, "float32")
     if not (folder / "model.onnx").exists():
         proto = fp32_twin(load_structure(artifact.model_path), artifact.folder)
         save_proto(proto, folder)
     return dataclasses.replace(saved_graph(folder, interface, artifact.shapes), node_count=artifact.node_count)
+
+
+def twin_folder(artifact: OnnxArtifact) -> Path:
+    """Where cpu_graph writes a graph's twin: beside it, deleted with it (VariantBuild.replace_graph)."""
+    return artifact.folder.with_name(artifact.folder.name + TWIN_SUFFIX)
 
 
 def fp32_twin(proto: Any, folder: Path) -> Any:

@@ -66,8 +66,13 @@ def _gather(dtype: str):
         helper.make_node("Shape", ["slots_kept"], ["kept_shape"], start=2, end=3),
         helper.make_node("Sub", ["capacity", "kept_shape"], ["room"]),
         helper.make_node("Concat", ["zeros6", "room", "zero"], ["pads"], axis=0),
-        helper.make_node("Pad", ["slots_kept", "pads"], ["out"]),
     ]
+    if element == TensorProto.BFLOAT16:  # CUDA's Pad takes no bf16: padded in fp32, which holds bf16 exactly
+        nodes += [helper.make_node("Cast", ["slots_kept"], ["slots_wide"], to=TensorProto.FLOAT),
+                  helper.make_node("Pad", ["slots_wide", "pads"], ["padded"]),
+                  helper.make_node("Cast", ["padded"], ["out"], to=TensorProto.BFLOAT16)]
+    else:
+        nodes.append(helper.make_node("Pad", ["slots_kept", "pads"], ["out"]))
     constants.append(helper.make_tensor("inner_axes", TensorProto.INT64, [3], [1, 2, 3]))
     graph = helper.make_graph(nodes, "kv_gather", [_cache("cache", element, "batch", "slots"), index("rows"),
                                                    scalar("keep"), scalar("capacity")],

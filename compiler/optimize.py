@@ -28,7 +28,7 @@ import numpy as np
 from runtime.backends.registry import ONNXRUNTIME_TARGETS, Target
 from runtime.files import link_or_copy
 
-from .bf16 import cpu_graph
+from .bf16 import cpu_graph, twin_folder
 from .errors import ExportMismatch
 from .export import forget_matched_graphs, small_constants_kept
 from .fusions import ONNXRUNTIME_RULES, PACK_MATMULS, ROTARY_IN_ATTENTION, group_query_attention
@@ -146,6 +146,7 @@ def fold_rotary(graph: OnnxArtifact, folder: Path, exact: bool) -> tuple[OnnxArt
         compare_graphs(cpu_graph(graph), cpu_graph(folded), left_padded=exact)  # a bf16 graph's fp32 twins
     except ExportMismatch as error:
         shutil.rmtree(folder)
+        shutil.rmtree(twin_folder(folded), ignore_errors=True)
         detail = str(error).split(": ", 1)[-1].split(";")[0]  # the numbers, not the unfused-graph advice
         return graph, f"the folded graph disagreed with the unfolded one: {detail}"
     os.replace(graph.model_path, folder / GENAI_MODEL_FILE)
@@ -343,13 +344,13 @@ def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: lis
 
 def _compact_cache(proto: Any, attentions: list[Any], kv_cache: str) -> bool:
     """Each of Kiln's attentions as its op over a `kv_cache` ("float16", "int8") cache, and its past and
-    present (the graph's inputs and outputs) of that type, an int8 one 4 bytes wider a slot (its scale:
+    present (the graph's inputs and outputs) of that type, an int8 one a quarter wider a slot (its scales:
     runtime/kernels/attention.c); False, the graph unchanged, where a cache is not the graph's own input or
     output or another node reads it (a Shape aside: it reads no numbers, though of an int8 cache not the
     last dimension, which is not the head size there)."""
     import onnx
 
-    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP, ATTENTION_INT8_CACHE_OP, INT8_SCALE_BYTES
+    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP, ATTENTION_INT8_CACHE_OP, int8_kv_width
 
     element, op = {"float16": (onnx.TensorProto.FLOAT16, ATTENTION_FP16_CACHE_OP),
                    "int8": (onnx.TensorProto.INT8, ATTENTION_INT8_CACHE_OP)}[kv_cache]
@@ -362,7 +363,7 @@ def _compact_cache(proto: Any, attentions: list[Any], kv_cache: str) -> bool:
             return True
         attributes = {a.name: a.i for a in node.attribute}
         end = attributes.get("end", 4)
-        return kv_cache == "int8" and (end if end >= 0 else end + 4) > 3  # its last dimension: codes and scale
+        return kv_cache == "int8" and (end if end >= 0 else end + 4) > 3  # its last dimension: codes and scales
 
     if not caches <= set(ends) or any(id(node) not in ours and caches & set(node.input) and reads_numbers(node)
                                       for node in proto.graph.node):
@@ -371,7 +372,7 @@ def _compact_cache(proto: Any, attentions: list[Any], kv_cache: str) -> bool:
         tensor_type = ends[name].type.tensor_type
         tensor_type.elem_type = element
         if kv_cache == "int8" and tensor_type.shape.dim[3].HasField("dim_value"):
-            tensor_type.shape.dim[3].dim_value += INT8_SCALE_BYTES
+            tensor_type.shape.dim[3].dim_value = int8_kv_width(tensor_type.shape.dim[3].dim_value)
     for value in [v for v in proto.graph.value_info if v.name in caches]:
         proto.graph.value_info.remove(value)
     for node in attentions:

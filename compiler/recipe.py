@@ -223,8 +223,8 @@ class Variant(_Strict):
     gates: Gates | None = None
     # The KV cache's type in the graph for Kiln's CPU kernels (runtime/kernels/attention.c), where every
     # attention is the kernel's: float16 halves the cache's memory and what a decode step reads of it, for
-    # numbers rounded to fp16 once as they are stored; int8 takes (head size + 4) bytes a slot and head
-    # where fp32 takes 4 x head size (d codes and a scale per token and head). Measured against eager
+    # numbers rounded to fp16 once as they are stored; int8 takes 1.25 x head size bytes a slot and head
+    # where fp32 takes 4 x head size (the codes and an fp32 scale a block of 16). Measured against eager
     # under the variant's gates. model.onnx, which any ONNX Runtime opens, keeps an fp32 cache.
     kv_cache: Literal["float32", "float16", "int8"] = "float32"
     # "optional": the gates hold every graph the variant ships (model.onnx, which any ONNX Runtime runs, and

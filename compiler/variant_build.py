@@ -36,7 +36,7 @@ from runtime.manifest import Variant as VariantEntry
 from runtime.memory import measure_in_subprocess
 
 from .accuracy import Inputs, Run, failed_gates, measure
-from .bf16 import cpu_graph
+from .bf16 import cpu_graph, twin_folder
 from .compare import Side, assemble
 from .cuda_placement import measure as measure_placement
 from .cuda_placement import predict as predict_placement
@@ -110,6 +110,7 @@ class VariantBuild:
         so a variant holds at most the graph it reads and the one it writes on disk (predicted_compile_disk)."""
         if new.folder != self.graph.folder:
             shutil.rmtree(self.graph.folder)
+            shutil.rmtree(twin_folder(self.graph), ignore_errors=True)  # a bf16 graph's fp32 twin, if one was run
         self.graph = new
 
     def against_eager(self, backend: Any, stem: str, runs_on: str) -> dict[str, Any]:
@@ -293,10 +294,18 @@ def placement_step(build: VariantBuild) -> None:
                                           build.work / "placement")
         else:
             placement = predict_placement(load_structure(build.graph.model_path))
-    build.report["cuda_placement"] = placement.to_json()
+        # the two graphs that move the cache's rows on the GPU (files_step writes them beside the model)
+        rows = build.work / "kv_rows"
+        rows.mkdir(exist_ok=True)
+        rows_off_cuda = [f"{name}: {node['why']}" for name in write_kv_row_graphs(rows, build.graph.interface[
+            "inputs"][3]["dtype"]) for node in predict_placement(load_structure(rows / name)).on_cpu]
+        shutil.rmtree(rows)
+    build.report["cuda_placement"] = {**placement.to_json(), "kv_row_graphs_on_cpu": rows_off_cuda}
     build.log.note(f"placement: {placement.summary()}")
     if not placement.all_on_cuda:
         build.failures.append(f"cuda placement: {placement.summary()}")
+    if rows_off_cuda:
+        build.failures.append(f"cuda placement of the KV row moves: {'; '.join(rows_off_cuda)}")
 
 
 def files_step(build: VariantBuild) -> None:

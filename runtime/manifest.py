@@ -41,7 +41,14 @@ NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the v
 STATUSES = ("built", "failed", "skipped")
 LIST_KEYS = ("files", "sidecars", "failed_gates", "model_failed_gates", "kv_row_graphs", "providers")
 # What the backends, memory planning and interop read of an interface.
-INT8_SCALE_BYTES = 4  # an int8 KV cache's slot: head size codes, then an fp32 scale (kernels/attention.c)
+INT8_KV_BLOCK = 16  # an int8 KV cache's numbers a scale: a slot's codes, then an fp32 scale a block (attention.c)
+
+
+def int8_kv_width(head_dim: int) -> int:
+    """Bytes a slot of a KV head takes in an int8 cache: its codes, and an fp32 scale a block of them."""
+    return head_dim + 4 * (head_dim // INT8_KV_BLOCK)
+
+
 INTERFACE_KEYS = {"inputs": list, "outputs": list, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int}
 
 
@@ -107,8 +114,8 @@ class Interface:
     @property
     def kv_width(self) -> int:
         """A KV tensor's last dimension: the head size, and in an int8 cache (Kiln's kernels' kv_cache: int8)
-        4 bytes more a slot, its scale (runtime/kernels/attention.c)."""
-        return self.head_dim + (INT8_SCALE_BYTES if self.kv_dtype == "int8" else 0)
+        4 bytes more for each block of 16 codes, their scale (runtime/kernels/attention.c)."""
+        return int8_kv_width(self.head_dim) if self.kv_dtype == "int8" else self.head_dim
 
     @property
     def logits_dtype(self) -> str:

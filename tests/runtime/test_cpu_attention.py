@@ -26,7 +26,7 @@ def attention_session(domain: str, heads: int, kv_heads: int, d: int, packed: bo
     present buffers (fp16 ones: Kiln's GroupQueryAttentionFp16Cache), seqlens_k and total_sequence_length,
     cos/sin caches, an additive bias."""
     cache_type = TensorProto.FLOAT16 if half_cache else TensorProto.INT8 if int8_cache else TensorProto.FLOAT
-    slot_width = d + 4 if int8_cache else d
+    slot_width = d + d // 4 if int8_cache else d
     width = (heads + 2 * kv_heads) * d if packed else heads * d
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["b", "s", width])]
     names = ["query", "", ""]
@@ -262,18 +262,22 @@ def test_what_it_does_not_take_is_refused_in_one_line():
 # -- an 8-bit cache (ai.kiln::GroupQueryAttentionInt8Cache) -------------------------------------------
 
 def int8_slots(x: np.ndarray) -> np.ndarray:
-    """x [..., d] as an int8 cache holds it, computed here in numpy: per slot d codes
-    rint(x * (127 / max|x|)) and the scale max|x| / 127 (fp32, in the last 4 bytes)."""
-    largest = np.abs(x).max(-1, keepdims=True)
+    """x [..., d] as an int8 cache holds it, computed here in numpy: per slot d codes, each block of 16
+    rint(x * (127 / max|x|)), then the blocks' scales max|x| / 127 (fp32)."""
+    blocks = x.reshape(*x.shape[:-1], -1, 16)
+    largest = np.abs(blocks).max(-1, keepdims=True)
     inverse = np.where(largest > 0, np.float32(127) / np.where(largest > 0, largest, 1), 0).astype(np.float32)
-    codes = np.clip(np.rint(x * inverse), -127, 127).astype(np.int8)
-    scale = (largest / np.float32(127)).astype(np.float32)
-    return np.concatenate([codes, scale.view(np.int8)], axis=-1)
+    codes = np.clip(np.rint(blocks * inverse), -127, 127).astype(np.int8).reshape(x.shape)
+    scales = (largest / np.float32(127)).astype(np.float32)[..., 0]
+    return np.concatenate([codes, np.ascontiguousarray(scales).view(np.int8)], axis=-1)
 
 
 def int8_values(slots: np.ndarray) -> np.ndarray:
-    """What an int8 cache's slots hold: code times scale, in fp32."""
-    return slots[..., :-4].astype(np.float32) * np.ascontiguousarray(slots[..., -4:]).view(np.float32)
+    """What an int8 cache's slots hold: code times its block's scale, in fp32."""
+    d = slots.shape[-1] * 4 // 5
+    scales = np.ascontiguousarray(slots[..., d:]).view(np.float32)
+    return (slots[..., :d].astype(np.float32).reshape(*slots.shape[:-1], -1, 16) * scales[..., None]).reshape(
+        *slots.shape[:-1], d)
 
 
 def new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
@@ -300,7 +304,7 @@ def test_an_int8_cache_gives_the_fp32_ops_numbers_for_the_values_it_holds(name, 
     packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
     ours = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, int8_cache=True, **data),
                packed, shared)
-    assert ours[1].dtype == np.int8 and ours[1].shape == (batch, kv_heads, max(slots, int(feeds["total"])), d + 4)
+    assert ours[1].dtype == np.int8 and ours[1].shape == (batch, kv_heads, max(slots, int(feeds["total"])), d + d // 4)
     held = {**feeds, "query": feeds["query"].copy(), "past_key": int8_values(ours[1]), "past_value": int8_values(ours[2])}
     for row, g, slot, i, key_at, value_at in new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
         new_key, new_value = feeds["query"][row, i, key_at:key_at + d], feeds["query"][row, i, value_at:value_at + d]
@@ -350,3 +354,14 @@ def test_an_all_zero_slot_is_stored_with_scale_zero_and_reads_as_zeros():
     packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
     out = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64, rotary=False, int8_cache=True), packed, True)
     assert not out[1][0, 0, 4].any() and np.isfinite(out[0]).all()
+
+
+def test_an_int8_block_with_a_nan_reads_back_as_nan():
+    """The fp32 op passes a NaN key on to the outputs; an int8 cache must not turn it into numbers."""
+    feeds = inputs_for(np.random.default_rng(3), 9, 3, 64, 1, 1, 16, [5], False, rotary=False)
+    feeds["query"][0, 0, 12 * 64 + 3] = np.nan  # kv head 0's new value, dimension 3
+    packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    out = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64, rotary=False, int8_cache=True), packed, True)
+    assert np.isnan(int8_values(out[2])[0, 0, 4, :16]).all() and np.isfinite(int8_values(out[2])[0, 0, 4, 16:]).all()
+    heads = out[0][0, 0, :3 * 64].reshape(3, 64)  # the query heads of kv head 0 read it: the block's dimensions
+    assert np.isnan(heads[:, :16]).all() and np.isfinite(heads[:, 16:]).all()

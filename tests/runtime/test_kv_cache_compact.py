@@ -24,7 +24,7 @@ pytestmark = pytest.mark.skipif(LIBRARY is None, reason=f"Kiln's CPU kernels: {W
 HALF, EIGHT_BIT = "cpu-fp32-kv16", "cpu-fp32-kv8"
 # variant: (its kernels' cache dtype, its attention op, its ONNX element type, bytes a slot of a head of d)
 COMPACT = {HALF: (np.float16, cpu_kernels.ATTENTION_FP16_CACHE_OP, onnx.TensorProto.FLOAT16, lambda d: 2 * d),
-           EIGHT_BIT: (np.int8, cpu_kernels.ATTENTION_INT8_CACHE_OP, onnx.TensorProto.INT8, lambda d: d + 4)}
+           EIGHT_BIT: (np.int8, cpu_kernels.ATTENTION_INT8_CACHE_OP, onnx.TensorProto.INT8, lambda d: d + d // 4)}
 compact = pytest.mark.parametrize("variant", list(COMPACT))
 
 
