@@ -209,14 +209,16 @@ def test_an_fp16_cache_holds_a_number_past_its_range_at_its_largest():
     assert np.isfinite(out[0]).all()
 
 
-@pytest.mark.parametrize("half_cache", [False, True], ids=["fp32 cache", "fp16 cache"])
-def test_a_rows_numbers_do_not_depend_on_its_neighbours(half_cache):
+@pytest.mark.parametrize("cache", ["fp32", "fp16", "int8"], ids=lambda c: f"{c} cache")
+def test_a_rows_numbers_do_not_depend_on_its_neighbours(cache):
     rng = np.random.default_rng(1)
     lengths = [7, 60, 33, 12]
     feeds = inputs_for(rng, 9, 3, 64, 4, 1, 64, lengths, False)
-    if half_cache:
+    if cache == "fp16":
         feeds = half_exact(feeds)[1]
-    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64, half_cache=half_cache)
+    if cache == "int8":
+        feeds = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64, half_cache=cache == "fp16", int8_cache=cache == "int8")
     together = run(session, feeds, True)
     for row in range(4):
         alone = {k: (v[row:row + 1] if k in ("query", "past_key", "past_value", "seqlens_k") else v)
@@ -334,18 +336,6 @@ def test_an_int8_cache_holds_rotated_keys_quantized_once(name):
     assert np.allclose(ours[0], fp32[0], rtol=0, atol=0.1)
     assert not np.array_equal(ours[0], fp32[0])
 
-
-def test_an_int8_caches_rows_do_not_depend_on_their_neighbours():
-    lengths = [7, 60, 33, 12]
-    feeds = inputs_for(np.random.default_rng(1), 9, 3, 64, 4, 1, 64, lengths, False)
-    feeds = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
-    session = attention_session(cpu_kernels.DOMAIN, 9, 3, 64, int8_cache=True)
-    together = run(session, feeds, True)
-    for row in range(4):
-        alone = {k: (v[row:row + 1] if k in ("query", "past_key", "past_value", "seqlens_k") else v)
-                 for k, v in feeds.items()}
-        alone["total"] = np.array(lengths[row], np.int32)
-        assert np.array_equal(run(session, alone, True)[0][0], together[0][row])
 
 
 def test_an_all_zero_slot_is_stored_with_scale_zero_and_reads_as_zeros():
