@@ -283,12 +283,15 @@ def int8_values(slots: np.ndarray) -> np.ndarray:
 
 
 def new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
-    """(row, kv head, slot, where in the query its key and value are) of every token the step writes."""
+    """(row, kv head, slot, token, (input, offset) of its key, (input, offset) of its value) of every token
+    the step writes: in the packed query, or in the key and value inputs."""
+    packed = "key" not in feeds
     for row, length in enumerate(lengths):
         past = 0 if first_prompt else length - seq
         for i in range(seq):
             for g in range(kv_heads):
-                yield row, g, past + i, i, (heads + g) * d, (heads + kv_heads + g) * d
+                yield (row, g, past + i, i, ("query", (heads + g) * d) if packed else ("key", g * d),
+                       ("query", (heads + kv_heads + g) * d) if packed else ("value", g * d))
 
 
 @pytest.mark.parametrize("name", HALF_CASES)
@@ -298,22 +301,19 @@ def test_an_int8_cache_gives_the_fp32_ops_numbers_for_the_values_it_holds(name, 
     the new keys and values as it stored them) bit for bit; and what it stored is numpy's quantization of
     the new keys and values."""
     heads, kv_heads, d, batch, seq, slots, lengths, first_prompt, options = CASES[name]
-    if not options.get("packed", True):
-        pytest.skip("the comparison rewrites the packed query's keys and values")
-    data = {k: options[k] for k in ("bias",) if k in options}
+    data = {k: options[k] for k in ("packed", "bias") if k in options}
     feeds = inputs_for(np.random.default_rng(len(name)), heads, kv_heads, d, batch, seq, slots, lengths, first_prompt,
                        rotary=False, **data)
     packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
     ours = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, int8_cache=True, **data),
                packed, shared)
     assert ours[1].dtype == np.int8 and ours[1].shape == (batch, kv_heads, max(slots, int(feeds["total"])), d + d // 4)
-    held = {**feeds, "query": feeds["query"].copy(), "past_key": int8_values(ours[1]), "past_value": int8_values(ours[2])}
-    for row, g, slot, i, key_at, value_at in new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
-        new_key, new_value = feeds["query"][row, i, key_at:key_at + d], feeds["query"][row, i, value_at:value_at + d]
-        assert np.array_equal(ours[1][row, g, slot], int8_slots(new_key))
-        assert np.array_equal(ours[2][row, g, slot], int8_slots(new_value))
-        held["query"][row, i, key_at:key_at + d] = held["past_key"][row, g, slot]
-        held["query"][row, i, value_at:value_at + d] = held["past_value"][row, g, slot]
+    held = {**{k: v.copy() for k, v in feeds.items()}, "past_key": int8_values(ours[1]),
+            "past_value": int8_values(ours[2])}
+    for row, g, slot, i, key, value in new_slots(feeds, heads, kv_heads, d, lengths, seq, first_prompt):
+        for (source, at), stored, cache in ((key, ours[1], "past_key"), (value, ours[2], "past_value")):
+            assert np.array_equal(stored[row, g, slot], int8_slots(feeds[source][row, i, at:at + d]))
+            held[source][row, i, at:at + d] = held[cache][row, g, slot]  # what the int8 op holds for it
     fp32 = run(attention_session(cpu_kernels.DOMAIN, heads, kv_heads, d, rotary=False, **data), held, shared)
     assert np.array_equal(ours[0], fp32[0])
 
