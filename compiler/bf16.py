@@ -49,9 +49,7 @@ def to_bfloat16(proto: Any, fp32_values: dict[str, np.ndarray]) -> None:
 
     half, bf16 = TensorProto.FLOAT16, TensorProto.BFLOAT16
     graph = proto.graph
-    for value in [*graph.input, *graph.output, *graph.value_info]:
-        if value.type.tensor_type.elem_type == half:
-            value.type.tensor_type.elem_type = bf16
+    _retype_declared(graph, half, bf16)
     for tensor in graph.initializer:
         if tensor.data_type == half:
             wide = fp32_values.get(tensor.name)
@@ -59,13 +57,28 @@ def to_bfloat16(proto: Any, fp32_values: dict[str, np.ndarray]) -> None:
                 wide = numpy_helper.to_array(tensor).astype(np.float32)
             tensor.CopyFrom(numpy_helper.from_array(wide.astype(ml_dtypes.bfloat16), tensor.name))
     for node in graph.node:
-        for attribute in node.attribute:
-            if attribute.name in ("to", "dtype") and attribute.type == attribute.INT and attribute.i == half:
-                attribute.i = bf16
-            elif attribute.type == attribute.TENSOR and attribute.t.data_type == half:
-                values = numpy_helper.to_array(attribute.t).astype(np.float32).astype(ml_dtypes.bfloat16)
-                attribute.t.CopyFrom(numpy_helper.from_array(values, attribute.t.name))
+        _retype_attributes(node, half, bf16, ml_dtypes.bfloat16)
     _widen(proto, WIDENED_OPS)
+
+
+def _retype_declared(graph: Any, old: int, new: int) -> None:
+    """The graph's declared inputs, outputs and value_info of ONNX element type `old` made `new`."""
+    for value in [*graph.input, *graph.output, *graph.value_info]:
+        if value.type.tensor_type.elem_type == old:
+            value.type.tensor_type.elem_type = new
+
+
+def _retype_attributes(node: Any, old: int, new: int, values_as: Any) -> None:
+    """A node's type attributes (to, dtype) of element type `old` made `new`, and its tensor attributes
+    of `old` converted (through fp32) to the numpy dtype `values_as`."""
+    from onnx import numpy_helper
+
+    for attribute in node.attribute:
+        if attribute.name in ("to", "dtype") and attribute.type == attribute.INT and attribute.i == old:
+            attribute.i = new
+        elif attribute.type == attribute.TENSOR and attribute.t.data_type == old:
+            values = numpy_helper.to_array(attribute.t).astype(np.float32).astype(values_as)
+            attribute.t.CopyFrom(numpy_helper.from_array(values, attribute.t.name))
 
 
 def _widen(proto: Any, ops: set[tuple[str, str]]) -> None:
@@ -121,9 +134,7 @@ def fp32_twin(proto: Any, folder: Path) -> Any:
     float32, bf16 = TensorProto.FLOAT, TensorProto.BFLOAT16
     types = tensor_types(proto)
     graph = proto.graph
-    for value in [*graph.input, *graph.output, *graph.value_info]:
-        if value.type.tensor_type.elem_type == bf16:
-            value.type.tensor_type.elem_type = float32
+    _retype_declared(graph, bf16, float32)
     for tensor in graph.initializer:  # read one by one: a variant's graphs share a weights file by hard links
         values = initializer_array(tensor, folder)
         tensor.CopyFrom(numpy_helper.from_array(values.astype(np.float32) if tensor.data_type == bf16 else values,
@@ -136,12 +147,7 @@ def fp32_twin(proto: Any, folder: Path) -> Any:
             node.output[0] = wide + "/bf16"
             nodes.append(helper.make_node("Cast", [node.output[0]], [wide], to=float32, name=_named(node, "widen")))
             continue
-        for attribute in node.attribute:
-            if attribute.type == attribute.TENSOR and attribute.t.data_type == bf16:
-                attribute.t.CopyFrom(numpy_helper.from_array(
-                    numpy_helper.to_array(attribute.t).astype(np.float32), attribute.t.name))
-            elif attribute.name in ("to", "dtype") and attribute.type == attribute.INT and attribute.i == bf16:
-                attribute.i = float32
+        _retype_attributes(node, bf16, float32, np.float32)
         if node.op_type in ("Constant", "ConstantOfShape"):
             continue  # exact bf16 values, widened above
         in_place = IN_PLACE_OUTPUTS.get((node.domain, node.op_type), ())

@@ -350,7 +350,8 @@ def _compact_cache(proto: Any, attentions: list[Any], kv_cache: str) -> bool:
     last dimension, which is not the head size there)."""
     import onnx
 
-    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP, ATTENTION_INT8_CACHE_OP, int8_kv_width
+    from runtime.cpu_kernels import ATTENTION_FP16_CACHE_OP, ATTENTION_INT8_CACHE_OP
+    from runtime.manifest import int8_kv_width
 
     element, op = {"float16": (onnx.TensorProto.FLOAT16, ATTENTION_FP16_CACHE_OP),
                    "int8": (onnx.TensorProto.INT8, ATTENTION_INT8_CACHE_OP)}[kv_cache]

@@ -81,6 +81,7 @@ class VariantBuild:
     model_failures: list[str] = field(default_factory=list)  # model.onnx's misses, where the kernels decide
     metrics: dict[str, Any] = field(default_factory=dict)
     kernel_entry: dict[str, Any] = field(default_factory=dict)  # the kernels' graph's manifest keys
+    kv_rows: list[Path] = field(default_factory=list)  # a CUDA variant's row-move graphs (placement_step)
     folder: Path | None = None  # variants/<variant>/ in the staging folder
     entry: dict[str, Any] = field(default_factory=dict)  # the manifest entry
     asked: Variant | None = None  # the recipe's variant, as its manifest entry records it
@@ -294,12 +295,12 @@ def placement_step(build: VariantBuild) -> None:
                                           build.work / "placement")
         else:
             placement = predict_placement(load_structure(build.graph.model_path))
-        # the two graphs that move the cache's rows on the GPU (files_step writes them beside the model)
+        # the two graphs that move the cache's rows on the GPU (files_step moves them beside the model)
         rows = build.work / "kv_rows"
         rows.mkdir(exist_ok=True)
-        rows_off_cuda = [f"{name}: {node['why']}" for name in write_kv_row_graphs(rows, build.graph.interface[
-            "inputs"][3]["dtype"]) for node in predict_placement(load_structure(rows / name)).on_cpu]
-        shutil.rmtree(rows)
+        build.kv_rows = [rows / name for name in write_kv_row_graphs(rows, build.graph.interface["inputs"][3]["dtype"])]
+        rows_off_cuda = [f"{path.name}: {node['why']}" for path in build.kv_rows
+                         for node in predict_placement(load_structure(path)).on_cpu]
     build.report["cuda_placement"] = {**placement.to_json(), "kv_row_graphs_on_cpu": rows_off_cuda}
     build.log.note(f"placement: {placement.summary()}")
     if not placement.all_on_cuda:
@@ -330,9 +331,10 @@ def files_step(build: VariantBuild) -> None:
             entry["kernel_kv_cache"] = kernels.interface["inputs"][3]["dtype"]
         if "activations" in kernels.interface:
             entry["kernel_activations"] = kernels.interface["activations"]
-    if build.variant.target == Target.ONNXRUNTIME_CUDA:  # the cache's row moves, run where the cache lives
-        rows = write_kv_row_graphs(folder, build.graph.interface["inputs"][3]["dtype"])
-        build.graph = dataclasses.replace(build.graph, files=[*build.graph.files, *rows])
+    for path in build.kv_rows:  # a CUDA variant's row moves, run where the cache lives (placement_step)
+        os.replace(path, folder / path.name)
+    if build.kv_rows:
+        build.graph = dataclasses.replace(build.graph, files=[*build.graph.files, *(p.name for p in build.kv_rows)])
     write_json(folder / "report.json", build.report)
 
 

@@ -61,8 +61,6 @@ from typing import Any
 
 import numpy as np
 
-from . import manifest
-
 KERNEL_MODEL_FILE = "model_kernels.onnx"
 KERNEL_DATA_FILE = "model_kernels.onnx.data"
 DOMAIN = "ai.kiln"
@@ -72,7 +70,6 @@ INT4_BF16_OP = "MatMulInt4BlocksBf16"  # its weights in bf16_layout's order, its
 ATTENTION_OP = "GroupQueryAttention"  # in DOMAIN: com.microsoft's inputs, attributes and numbers
 ATTENTION_FP16_CACHE_OP = "GroupQueryAttentionFp16Cache"  # the same over an fp16 KV cache (recipe kv_cache)
 ATTENTION_INT8_CACHE_OP = "GroupQueryAttentionInt8Cache"  # over an 8-bit one: codes and a scale a slot
-int8_kv_width = manifest.int8_kv_width  # an int8 cache's slot: head size codes, then an fp32 scale a block of 16
 SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of a SwiGLU MLP's gate and up
 FP32_MATMUL_OP = "MatMulFp32"  # ONNX MatMul by fp32 weights [K, N]: each output's blocks of K in a fixed order
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"

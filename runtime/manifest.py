@@ -40,7 +40,6 @@ READABLE_SCHEMA_VERSIONS = (SCHEMA_VERSION, KERNELS_ONLY_SCHEMA_VERSION)
 NAME = re.compile(r"[a-z0-9][a-z0-9._-]{0,99}")  # the recipe's name rule: the version folder is named after it
 STATUSES = ("built", "failed", "skipped")
 LIST_KEYS = ("files", "sidecars", "failed_gates", "model_failed_gates", "kv_row_graphs", "providers")
-# What the backends, memory planning and interop read of an interface.
 INT8_KV_BLOCK = 16  # an int8 KV cache's numbers a scale: a slot's codes, then an fp32 scale a block (attention.c)
 
 
@@ -49,6 +48,7 @@ def int8_kv_width(head_dim: int) -> int:
     return head_dim + 4 * (head_dim // INT8_KV_BLOCK)
 
 
+# What the backends, memory planning and interop read of an interface.
 INTERFACE_KEYS = {"inputs": list, "outputs": list, "layers": int, "kv_heads": int, "head_dim": int, "vocab_size": int}
 
 

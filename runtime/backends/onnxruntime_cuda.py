@@ -187,10 +187,10 @@ class OnnxRuntimeCudaBackend(ClosesOnExit):
     def new_cache(self, batch: int, capacity: int) -> DeviceKvCache:
         import onnxruntime as ort
 
-        shape = (batch, self.kv_heads, capacity, self.head_dim)
         if self.kv_type in STORED_AS:  # no numpy type to copy up: a one-slot host seed, gathered into empty rows
             seed = ortvalue(np.zeros((1, self.kv_heads, 1, self.head_dim), self.kv_dtype), self.kv_type)
             return DeviceKvCache([self._gather(seed, [-1] * batch, 0, capacity) for _ in self.past_names], 0, batch)
+        shape = (batch, self.kv_heads, capacity, self.head_dim)
         zeros = [np.zeros(shape, self.kv_dtype) for _ in self.past_names]  # copied to a GPU; wrapped in host memory
         cache = DeviceKvCache([ort.OrtValue.ortvalue_from_numpy(z, self.device, self.device_id) for z in zeros], 0,
                               batch)

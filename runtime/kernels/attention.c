@@ -214,7 +214,6 @@ static inline __m256i to_half(__m512 x) {
     return _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
 }
 
-
 /* r[j] <- r's column j: a 16 x 16 transpose in registers. */
 static inline __attribute__((always_inline)) void transpose16(__m512* r) {
     __m512 t[16];
