@@ -74,7 +74,7 @@ SWIGLU_OP = "SwiGLU"  # silu(first half) * second half, after an fp32 MatMul of 
 FP32_MATMUL_OP = "MatMulFp32"  # ONNX MatMul by fp32 weights [K, N]: each output's blocks of K in a fixed order
 DISABLE_VARIABLE = "KILN_CPU_KERNELS"
 BF16_PATH_VARIABLE = "KILN_CPU_KERNELS_BF16"  # "fma": the bf16 op's FMA path on a CPU with AVX-512 BF16 too
-LIBRARY_VERSION = 8  # kiln_cpu_kernels_version() in runtime/kernels/library.c
+LIBRARY_VERSION = 9  # kiln_cpu_kernels_version() in runtime/kernels/library.c
 BF16_ACTIVATIONS = "bfloat16"  # the manifest's kernel_activations where 4-bit nodes round activations to bf16
 
 

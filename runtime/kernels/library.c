@@ -23,7 +23,7 @@ const OrtApi* kiln_api;
    op SwiGLU (swiglu.c). 4: GroupQueryAttentionFp16Cache, attention over an fp16 KV cache (attention.c). 5:
    MatMulInt4BlocksBf16 (int8_blocks.c). 6: MatMulInt4BlocksBf16 on CPUs without AVX-512 BF16 too. 7: the
    op MatMulFp32 (matmul_fp32.c). 8: GroupQueryAttentionInt8Cache, attention over an 8-bit KV cache. */
-int kiln_cpu_kernels_version(void) { return 8; }
+int kiln_cpu_kernels_version(void) { return 9; }
 
 /* Whether MatMulInt4BlocksBf16 runs AVX-512 BF16's instructions here, or their numbers with fused
    multiply-adds (no AVX-512 BF16, or KILN_CPU_KERNELS_BF16=fma: to measure that path on a CPU with it). */
