@@ -327,7 +327,8 @@ def _drop_unread(proto: Any, eligible: list, initializers: dict[str, Any], repla
 def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: list, attentions: list,
                             kv_cache: str, activations: str) -> dict[str, Any]:
     """The variant's interface, with what the kernels' graph changes: bf16 activations, prompts of
-    different lengths prefilled in one step where every attention is Kiln's, an fp16 KV cache."""
+    different lengths prefilled in one step where every attention is Kiln's (and no fp32 MoE node is
+    there), an fp16 KV cache."""
     from runtime import cpu_kernels
 
     if activations == "bf16" and any(made.bits == 4 for _, made in eligible):
@@ -336,7 +337,14 @@ def _kernel_graph_interface(proto: Any, interface: dict[str, Any], eligible: lis
                               for n in proto.graph.node):
         # Every attention is Kiln's: each row of a right-padded first prompt gets its numbers alone
         # (runtime/kernels/attention.c), so the backend prefills prompts of different lengths in one step.
-        interface = {**interface, "prefill": "batched"}
+        # Not where ONNX Runtime's fp32 MoE op is: it runs each expert's tokens as one MLAS SGEMM, whose
+        # one-row case (M == 1: MlasSgemmKernelM1TransposeBAvx) sums in another order, so a token that is
+        # its expert's only one gets other numbers than beside tokens routed alike: the tiny OLMoE's
+        # padded prefill gave 4 of 6 rows logits up to 9e-8 off theirs alone. Its rows then prefill one
+        # by one. (QMoE's CPU kernel, int8 activations, gave each token its numbers alone, in twos and
+        # among 40.)
+        if not any(n.op_type == "MoE" and n.domain == "com.microsoft" for n in proto.graph.node):
+            interface = {**interface, "prefill": "batched"}
         if kv_cache != "float32" and _compact_cache(proto, attentions, kv_cache):
             interface = retyped_kv(interface, kv_cache)
     return interface

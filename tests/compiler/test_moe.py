@@ -189,6 +189,55 @@ def test_quantized_experts_are_what_onnx_runtime_reads_back(bits):
     assert np.abs(quantized - reference).max() <= tolerance
 
 
+def test_the_moe_op_gives_a_token_alone_in_its_expert_other_numbers():
+    """Why an fp32 MoE graph's prompts of different lengths prefill row by row (compiler/optimize.py,
+    _kernel_graph_interface): ONNX Runtime's MoE op runs each expert's tokens as one MLAS SGEMM, whose
+    one-row case (M == 1) sums in another order, so a token that is its experts' only one gets other
+    numbers than beside a twin (two rows routed alike). QMoE (8- or 4-bit experts, int8 activations, as
+    Kiln compiles it) gives each token its numbers alone, in twos or among all. Should the MoE op stop
+    differing, those prompts may prefill in one step again."""
+    import platform
+
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    from compiler.quantize import _expert_blocks
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("MLAS's one-row SGEMM is an x86-64 kernel")
+    rng = np.random.default_rng(1)
+    tokens, hidden, inter, experts, block = 12, 64, 32, 4, 32
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    fc2 = (rng.standard_normal((experts, hidden, inter)) * 0.2).astype(np.float32)
+    routing = dict(k=2, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+                   normalize_routing_weights=1)
+    nodes = {"MoE": (helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], domain="com.microsoft", **routing),
+                     {"w1": fc1, "w2": fc2})}
+    for bits in (8, 4):
+        (q1, s1), (q2, s2) = _expert_blocks(fc1, bits, block), _expert_blocks(fc2, bits, block)
+        nodes[f"QMoE {bits}-bit"] = (
+            helper.make_node("QMoE", ["x", "r", "q1", "s1", "", "q2", "s2"], ["y"], domain="com.microsoft",
+                             expert_weight_bits=bits, block_size=block, accuracy_level=4, **routing),
+            {"q1": q1, "s1": s1, "q2": q2, "s2": s2})
+    for op, (node, weights) in nodes.items():
+        graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                                  for n in ("x", "r")],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                                  initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
+                                                        helper.make_opsetid("com.microsoft", 1)])
+        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        together = session.run(None, {"x": x, "r": logits})[0]
+        alone = [session.run(None, {"x": x[[t]], "r": logits[[t]]})[0][0] for t in range(tokens)]
+        twins = [session.run(None, {"x": x[[t, t]], "r": logits[[t, t]]})[0][0] for t in range(tokens)]
+        # every expert takes two tokens or more in both: the same numbers
+        assert all(np.array_equal(twin, together[t]) for t, twin in enumerate(twins)), op
+        alike = [np.array_equal(one, twin) for one, twin in zip(alone, twins, strict=True)]
+        assert all(alike) != (op == "MoE"), op
+
+
 def test_int8_and_int4_variants_run_their_experts_as_qmoe(tiny_checkpoints, tmp_path):
     from compiler.pipeline import compile_recipe
 

@@ -332,7 +332,9 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     assert entry.kernel_model == "variants/cpu-fp32/model_kernels.onnx"
     assert f"variants/cpu-fp32/{cpu_kernels.KERNEL_DATA_FILE}" not in entry.files  # no packed weights
     every = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
-    assert (entry.kernel_prefill == "batched") == (len(taken) == len(every) > 0)  # each row as alone
+    # each row as alone; not past ONNX Runtime's fp32 MoE op, whose numbers for a token depend on its neighbours
+    moe = any(n.op_type == "MoE" for n in graph.graph.node)
+    assert (entry.kernel_prefill == "batched") == (len(taken) == len(every) > 0 and not moe)
     kernels = onnx.load(str(folder / entry.kernel_model), load_external_data=False)
     ours = [(n.domain, n.op_type) for n in kernels.graph.node]
     assert ours.count((cpu_kernels.DOMAIN, cpu_kernels.ATTENTION_OP)) == len(taken)
