@@ -12,7 +12,11 @@ do_sample=False)` does it (generation/utils.py `_beam_search`, transformers 5), 
     with the length generated so far; "never": with the most it may still generate), all K slots are
     full (early_stopping True), or the last step was taken.
 
-Ties are broken as torch.topk breaks them on CPU: the lower flat index (beam, then token) first.
+Exact ties go to the lower flat index (beam, then token) first, as torch.topk on CPU orders the small
+cases tested. It promises no order: it selects with std::partial_sort (where k * 64 <= the candidates, as
+in a search's steps) or std::nth_element, comparing scores alone, neither stable. So where two candidates'
+fp32 scores are equal at the edge of a selection, transformers may keep the other one: the tiny Qwen3-MoE
+met two sums of -42.566895 as the 5th and 6th of 12 candidates, and its best beams parted there.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ def log_softmax32(logits: np.ndarray) -> np.ndarray:
 
 
 def top_indices(scores: np.ndarray, k: int) -> np.ndarray:
-    """The k largest entries' indices, largest first, ties to the lower index (torch.topk on CPU)."""
+    """The k largest entries' indices, largest first, ties to the lower index (module doc)."""
     if k >= scores.size:
         return np.argsort(-scores, kind="stable")
     kth = np.partition(scores, scores.size - k)[scores.size - k]

@@ -15,7 +15,9 @@ from runtime.beam import BeamSearch
 from runtime.generator import Generator
 from runtime.sampling import SamplingParams
 
-PROMPTS = ["The quick brown", "A KV cache keeps", "def add(a, b):", "Paris"]
+# Not "The quick brown": there the tiny Qwen3-MoE's search met two candidates of exactly equal fp32 score
+# (-42.566895) at the edge of the beams kept, an order torch.topk leaves to an unstable sort (runtime/beam.py).
+PROMPTS = ["A quick brown", "A KV cache keeps", "def add(a, b):", "Paris"]
 
 
 def hf_beams(model, prompt, k, max_new, eos, length_penalty=1.0, early_stopping=False, n=1):
