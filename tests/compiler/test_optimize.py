@@ -40,20 +40,28 @@ EXPECTED_FUSIONS = {
     "stablelm": layer_norm(4, 0), "starcoder2": layer_norm(4, 2),
     "gpt2": {**layer_norm(5, 2), "rotary_embedding": 0},  # the first pair: token + position embeddings, ln_1
     "mixtral": ROTARY,
+    # Mixtures of experts without a row (the generic path): Qwen3-MoE and OLMoE norm q and k, PhiMoE is a
+    # LayerNorm family. GPT-OSS's attention sinks keep its attention unfused (no GroupQueryAttention), and
+    # its rotation (the halves cos/sin-mixed, then concatenated) is not the rotate_half form the rule matches.
+    "qwen2_moe": ROTARY, "qwen3_moe": QK_NORM, "olmoe": QK_NORM, "phimoe": layer_norm(4, 0),
+    "gpt_oss": {**ROTARY, "group_query_attention": 0, "rotary_embedding": 0},
 }
 
 # MatMuls pack_matmuls removes (2 layers): q/k/v into one and gate/up into one is 3 a layer; Phi's
 # parallel attention and MLP read one norm, so q/k/v and fc1 pack (3); Starcoder2 has one MLP input
 # projection (2); GPT-NeoX and Falcon fuse q/k/v themselves and their parallel attention and MLP
-# read one norm (1); Phi-3 and GPT-2 have nothing left to pack; Mixtral's experts are one MoE node, so
-# only q/k/v pack (2).
+# read one norm (1); Phi-3 and GPT-2 have nothing left to pack; a mixture of experts' experts are one MoE
+# node a layer, so only q/k/v pack (2).
+MIXTURES_OF_EXPERTS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "gpt_oss")
 EXPECTED_PACKED = {family: 6 for family in EXPECTED_FUSIONS} | {"starcoder2": 4, "gpt_neox": 2, "falcon": 2,
-                                                               "phi3": 0, "gpt2": 0, "mixtral": 4}
+                                                               "phi3": 0, "gpt2": 0} | {
+    family: 4 for family in MIXTURES_OF_EXPERTS}
 # Layers whose rotations rotary_in_attention moves into GroupQueryAttention (after packing): not
-# partial rotations (Phi, GPT-NeoX, StableLM, Falcon's tiny config), nor Qwen3's, whose rotations read
-# its per-head q/k norms through a Reshape, nor GPT-2's learned positions.
+# partial rotations (Phi, GPT-NeoX, StableLM, Falcon's tiny config), nor Qwen3's or Qwen3-MoE's, whose
+# rotations read their per-head q/k norms through a Reshape, nor GPT-2's learned positions, nor GPT-OSS's
+# (no GroupQueryAttention).
 EXPECTED_FOLDED = {family: 2 for family in EXPECTED_FUSIONS} | {
-    family: 0 for family in ("phi", "gpt_neox", "stablelm", "falcon", "qwen3", "gpt2")}
+    family: 0 for family in ("phi", "gpt_neox", "stablelm", "falcon", "qwen3", "gpt2", "qwen3_moe", "gpt_oss")}
 
 
 def _exported(tiny_artifacts, tiny_checkpoints, family) -> OnnxArtifact:
@@ -79,11 +87,16 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
         assert "no RMSNorm" in fused["fusions_not_applied"]["rms_normalization"]
     graph_ops = {n.op_type for n in onnx.load(str(tiny_artifacts[family] / fused["model"])).graph.node}
     assert ("SkipLayerNormalization" in graph_ops) == bool(fused["fusions"]["skip_layer_normalization"])
-    assert fused["interface"]["kv_sharing"] == "shared-buffer"
+    # Where attention stays unfused (GPT-OSS), the graph concatenates past and present as the unfused one does.
+    attention_fused = bool(EXPECTED_FUSIONS[family]["group_query_attention"])
+    assert fused["interface"]["kv_sharing"] == ("shared-buffer" if attention_fused else "none")
     assert fused["node_count"] < manifest["variants"]["cpu-fp32-unfused"]["node_count"]
     graph = onnx.load(str(tiny_artifacts[family] / fused["model"]))
     ops = [n.op_type for n in graph.graph.node]
-    assert ops.count("GroupQueryAttention") == fused["interface"]["layers"]
+    assert ops.count("GroupQueryAttention") == fused["interface"]["layers"] * attention_fused
+    # A layer's experts are one com.microsoft.MoE node (compiler/moe.py): no loop over experts or tokens.
+    assert ops.count("MoE") == 2 * (family in MIXTURES_OF_EXPERTS)
+    assert ops.count("NonZero") == ops.count("Loop") == 0
     attention = [n for n in graph.graph.node if n.op_type == "GroupQueryAttention"]
     rotating = [any(a.name == "do_rotary" and a.i == 1 for a in n.attribute) for n in attention]
     if EXPECTED_FOLDED[family]:
@@ -97,7 +110,8 @@ def test_fusion_counts_and_interface(tiny_artifacts, family):
         assert ops.count("RotaryEmbedding") == EXPECTED_FUSIONS[family]["rotary_embedding"] and not any(rotating)
         assert "genai_model" not in fused
     # the Concat cache is gone: no node copies past into present any more
-    assert not any(n.op_type == "Concat" and any(o.startswith("present.") for o in n.output) for n in graph.graph.node)
+    assert any(n.op_type == "Concat" and any(o.startswith("present.") for o in n.output)
+               for n in graph.graph.node) != attention_fused
     report = json.loads((tiny_artifacts[family] / fused["report"]).read_text())
     assert report["optimize"]["check"]["max_rel_logit_error"] < 1e-4
 
@@ -170,7 +184,7 @@ def test_tensorrt_target_stays_standard_onnx(tiny_artifacts, tiny_checkpoints, f
     import onnx_ir as ir
 
     exported = _exported(tiny_artifacts, tiny_checkpoints, family)
-    if family == "mixtral":  # its experts are ONNX Runtime's MoE op; test_moe.py checks the dense form
+    if family in MIXTURES_OF_EXPERTS:  # their experts are ONNX Runtime's MoE op; test_moe.py checks the dense form
         with pytest.raises(TensorRTIncompatible, match=r"com.microsoft::MoE .*compile with export.experts: dense"):
             optimize(exported, "tensorrt", True, tmp_path / "trt")
         return
@@ -366,7 +380,9 @@ def test_an_fp32_variant_runs_its_matmuls_attention_and_swiglu_in_kilns_kernels(
     backends = [OnnxRuntimeBackend(reference.model_path, entry.interface),
                 OnnxRuntimeBackend(folder / entry.kernel_model, entry.interface, kernels=library),
                 OnnxRuntimeBackend(tmp_path / "model_undone.onnx", entry.interface, kernels=library)]
-    for front_aligned in (True, False):  # each layout against model.onnx in the same layout
+    # each layout against model.onnx in the same layout: rows from slot 0 where the graph's attention reads
+    # each row's length from its mask (GroupQueryAttention), not where it stays unfused (GPT-OSS)
+    for front_aligned in sorted({backends[0].front_aligned, False}, reverse=True):
         caches = []
         for backend in backends:
             backend.front_aligned = front_aligned

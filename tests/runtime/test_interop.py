@@ -98,7 +98,10 @@ def test_sidecars_are_listed_hashed_and_read_by_transformers(tiny_artifacts, tin
                 ("rope_theta", "partial_rotary_factor")
             assert written[theta_key] == rope["rope_theta"]
             assert written.get(fraction_key) == rope.get("partial_rotary_factor")
-            assert written["rope_scaling"] is None
+            # 4.x reads any scaling from rope_scaling: none for default rotary; GPT-OSS's yarn parameters, as
+            # its own checkpoints' config.json has them (its graph computes cos and sin, so genai_config has none)
+            scaling = {k: v for k, v in rope.items() if k not in ("rope_theta", "partial_rotary_factor")}
+            assert written["rope_scaling"] == (None if rope.get("rope_type", "default") == "default" else scaling)
         tokenizer = AutoTokenizer.from_pretrained(folder)
         assert json.loads((folder / "tokenizer_config.json").read_text())["tokenizer_class"] == \
             "PreTrainedTokenizerFast"
