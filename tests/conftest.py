@@ -92,18 +92,11 @@ REFUSED_CONFIGS = {
     "bloom": ("BloomConfig", dict(hidden_size=64, n_layer=2, n_head=4)),
     "mpt": ("MptConfig", dict(d_model=64, n_layers=2, n_heads=4, max_seq_len=256)),
 }
-# Model types with no row, compiled by the generic path (compiler/families.py generic_family): Helium
-# (interleaved rotary, RMSNorm epsilon 1e-8), SmolLM3 (rotary skipped on some layers), and two whose
-# configs name their sizes the old way (n_embd, n_layer, n_head, n_positions): GPT-J (interleaved
-# partial rotary, parallel attention and MLP) and GPTBigCode (StarCoder 1: multi-query attention).
-GENERIC_CONFIGS = {
-    "helium": ("HeliumConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, pad_token_id=EOS)),
-    "smollm3": ("SmolLM3Config", dict(_BASE, num_key_value_heads=2, pad_token_id=EOS, no_rope_layer_interval=2)),
-    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8)),
-    "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
-    # Mixtures of experts without a row (top-2 of 4 to 8 experts): Qwen2-MoE (a shared expert behind a
-    # sigmoid gate, not renormalized), Qwen3-MoE (renormalized, q/k norms), OLMoE (not renormalized,
-    # q/k norms), PhiMoE (its sparse-mixer router, LayerNorm) and GPT-OSS.
+# Mixtures of experts without a row (top-2 of 4 to 8 experts), compiled by the generic path
+# (compiler/families.py generic_family) and held to every family-parametrized test like Mixtral:
+# Qwen2-MoE (a shared expert behind a sigmoid gate, not renormalized), Qwen3-MoE (renormalized, q/k
+# norms), OLMoE (not renormalized, q/k norms), PhiMoE (its sparse-mixer router, LayerNorm) and GPT-OSS.
+MOE_GENERIC_CONFIGS = {
     "qwen2_moe": ("Qwen2MoeConfig", dict(_BASE, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
                                          moe_intermediate_size=32, shared_expert_intermediate_size=48)),
     "qwen3_moe": ("Qwen3MoeConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, num_experts=8,
@@ -117,6 +110,20 @@ GENERIC_CONFIGS = {
                                      sliding_window=8, layer_types=["sliding_attention", "full_attention"],
                                      max_position_embeddings=256)),
 }
+# Model types with no row, compiled by the generic path: Helium (interleaved rotary, RMSNorm epsilon
+# 1e-8), SmolLM3 (rotary skipped on some layers), two whose configs name their sizes the old way (n_embd,
+# n_layer, n_head, n_positions): GPT-J (interleaved partial rotary, parallel attention and MLP) and
+# GPTBigCode (StarCoder 1: multi-query attention), and the mixtures of experts above.
+GENERIC_CONFIGS = {
+    "helium": ("HeliumConfig", dict(_BASE, num_key_value_heads=2, head_dim=16, pad_token_id=EOS)),
+    "smollm3": ("SmolLM3Config", dict(_BASE, num_key_value_heads=2, pad_token_id=EOS, no_rope_layer_interval=2)),
+    "gptj": ("GPTJConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, rotary_dim=8)),
+    "gpt_bigcode": ("GPTBigCodeConfig", dict(n_embd=64, n_layer=2, n_head=4, n_positions=256, multi_query=True)),
+    **MOE_GENERIC_CONFIGS,
+}
+# The families the family-parametrized tests run (the `family` fixture, tiny_checkpoints, tiny_artifacts):
+# the table's rows and the mixtures of experts the generic path compiles.
+FAMILY_CONFIGS = {**TINY_CONFIGS, **MOE_GENERIC_CONFIGS}
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
@@ -229,7 +236,7 @@ def write_recipe(path: Path, source: Path | str, name: str = "tiny", extra: str 
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("checkpoints")
-    return {family: build_tiny_checkpoint(family, root / family) for family in TINY_CONFIGS}
+    return {family: build_tiny_checkpoint(family, root / family) for family in FAMILY_CONFIGS}
 
 
 def compile_tiny(family: str, checkpoint: Path, root: Path) -> Path:
@@ -258,7 +265,7 @@ def tiny_artifacts(tiny_checkpoints, tmp_path_factory) -> dict[str, Path]:
         return dict(zip(families, built, strict=True))
 
 
-@pytest.fixture(params=sorted(TINY_CONFIGS))
+@pytest.fixture(params=sorted(FAMILY_CONFIGS))
 def family(request) -> str:
     return request.param
 

@@ -14,6 +14,7 @@ import compiler.pipeline
 import compiler.validate_export
 from compiler.errors import ExportMismatch
 from compiler.export import kv_names
+from compiler.families import FAMILIES
 from compiler.pipeline import compile_recipe
 from runtime.artifact import Artifact, sha256_file
 from runtime.backends.onnxruntime import OnnxRuntimeBackend
@@ -35,6 +36,7 @@ def test_artifact_layout_and_manifest(tiny_artifacts, family):
     assert {"torch", "transformers", "onnx", "onnxruntime", "kiln"} <= set(manifest["tools"])
     assert manifest["source"]["kind"] == "folder" and len(manifest["source"]["sha256"]) == 64
     assert manifest["model"]["eos_token_ids"] == [0]
+    assert manifest["model"]["family"] == (FAMILIES[family].name if family in FAMILIES else family)  # generic: its type
     assert manifest["variants"]["cpu-fp32"]["status"] == "built"
     # The validate stage is compare-model's A/B against eager torch: an exact fp32 build matches it.
     comparison = json.loads((folder / "reports" / "cpu-fp32.json").read_text())

@@ -11,7 +11,7 @@ from compiler.errors import CheckpointError, UnsupportedArchitecture
 from compiler.families import FAMILIES, family_for, shapes_of
 from compiler.load import load_checkpoint
 from compiler.recipe import ModelSpec
-from tests.conftest import REFUSED_CONFIGS, TINY_CONFIGS, build_tiny_checkpoint
+from tests.conftest import FAMILY_CONFIGS, GENERIC_CONFIGS, REFUSED_CONFIGS, TINY_CONFIGS, build_tiny_checkpoint
 
 
 def test_every_family_has_a_tiny_model_test():
@@ -19,6 +19,7 @@ def test_every_family_has_a_tiny_model_test():
     # (and so without export and generation tests) fails here, and so does a tiny config without a row.
     assert {k for k, f in FAMILIES.items() if f.refused is None} == set(TINY_CONFIGS)
     assert {k for k, f in FAMILIES.items() if f.refused} == set(REFUSED_CONFIGS)
+    assert not set(GENERIC_CONFIGS) & set(FAMILIES)  # those go through the generic path
 
 
 def test_refused_family_says_why_before_loading_weights(tmp_path):
@@ -68,10 +69,10 @@ def test_shapes_read_from_each_family(tiny_checkpoints, family):
 
     config = AutoConfig.from_pretrained(tiny_checkpoints[family])
     shapes = shapes_of(config)
-    kwargs = TINY_CONFIGS[family][1]
+    kwargs = FAMILY_CONFIGS[family][1]
     expected_kv = 4 if family == "falcon" else kwargs.get("num_key_value_heads", 4)  # Falcon caches every head
     assert (shapes.layers, shapes.kv_heads, shapes.head_dim) == (2, expected_kv, 16)
-    if family == "gemma2":  # alternating layers: sliding, then full
+    if family in ("gemma2", "gpt_oss"):  # alternating layers: sliding, then full
         assert shapes.layer_windows == (8, None)
 
 
