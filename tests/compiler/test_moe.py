@@ -142,22 +142,44 @@ def test_the_plan_from_a_config_counts_every_expert(tiny_checkpoints):
     assert config_interface(config, "fp32")[1] == pytest.approx(4 * parameters, rel=0.01)
 
 
+ROUTING = dict(k=2, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
+               normalize_routing_weights=1)
+
+
+def random_experts(seed: int, tokens: int, hidden: int, inter: int, experts: int) -> tuple[np.ndarray, ...]:
+    """Tokens, router logits and SwiGLU experts' fc1 [experts, 2 inter, hidden] and fc2 [experts, hidden, inter]."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
+    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
+    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) * 0.2).astype(np.float32)
+    fc2 = (rng.standard_normal((experts, hidden, inter)) * 0.2).astype(np.float32)
+    return x, logits, fc1, fc2
+
+
+def experts_session(node, weights: dict[str, np.ndarray]):
+    """One MoE or QMoE node over inputs x and r in an ONNX Runtime CPU session, its weights initializers."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                              for n in ("x", "r")],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18), helper.make_opsetid("com.microsoft", 1)])
+    return ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_quantized_experts_are_what_onnx_runtime_reads_back(bits):
     """QMoE's codes and scales (compiler/quantize.py) against the MoE op over the same weights
     dequantized in numpy: the layout (4-bit pairs, blocks along K) is the one ONNX Runtime reads. 8-bit
     experts run with int8 activations (the op has no fp32 8-bit kernel), so they agree within those."""
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     from compiler.quantize import _expert_blocks
 
-    rng = np.random.default_rng(0)
-    tokens, hidden, inter, experts, block = 7, 64, 96, 4, 32
-    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
-    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) * 0.2).astype(np.float32)
-    fc2 = (rng.standard_normal((experts, hidden, inter)) * 0.2).astype(np.float32)
+    block = 32
+    x, logits, fc1, fc2 = random_experts(0, tokens=7, hidden=64, inter=96, experts=4)
     blocks = {name: _expert_blocks(w, bits, block) for name, w in (("fc1", fc1), ("fc2", fc2))}
 
     def dequantized(codes, scales):
@@ -169,21 +191,12 @@ def test_quantized_experts_are_what_onnx_runtime_reads_back(bits):
     assert np.abs(dequantized(*blocks["fc1"]) - fc1).max() <= np.abs(fc1).max() / (2 ** (bits - 1) - 1)
 
     def run(node, weights):
-        graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                                                  for n in ("x", "r")],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                                  initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                        helper.make_opsetid("com.microsoft", 1)])
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        return session.run(None, {"x": x, "r": logits})[0]
+        return experts_session(node, weights).run(None, {"x": x, "r": logits})[0]
 
-    routing = dict(k=2, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                   normalize_routing_weights=1)
-    reference = run(helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], domain="com.microsoft", **routing),
+    reference = run(helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], domain="com.microsoft", **ROUTING),
                     {"w1": dequantized(*blocks["fc1"]), "w2": dequantized(*blocks["fc2"])})
     quantized = run(helper.make_node("QMoE", ["x", "r", "q1", "s1", "", "q2", "s2"], ["y"], domain="com.microsoft",
-                                     expert_weight_bits=bits, block_size=block, accuracy_level=0, **routing),
+                                     expert_weight_bits=bits, block_size=block, accuracy_level=0, **ROUTING),
                     {"q1": blocks["fc1"][0], "s1": blocks["fc1"][1], "q2": blocks["fc2"][0], "s2": blocks["fc2"][1]})
     tolerance = 1e-5 if bits == 4 else 0.03 * np.abs(reference).max()
     assert np.abs(quantized - reference).max() <= tolerance
@@ -198,37 +211,24 @@ def test_the_moe_op_gives_a_token_alone_in_its_expert_other_numbers():
     differing, those prompts may prefill in one step again."""
     import platform
 
-    import onnxruntime as ort
-    from onnx import TensorProto, helper, numpy_helper
+    from onnx import helper
 
     from compiler.quantize import _expert_blocks
 
     if platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("MLAS's one-row SGEMM is an x86-64 kernel")
-    rng = np.random.default_rng(1)
-    tokens, hidden, inter, experts, block = 12, 64, 32, 4, 32
-    x = rng.standard_normal((tokens, hidden)).astype(np.float32)
-    logits = rng.standard_normal((tokens, experts)).astype(np.float32)
-    fc1 = (rng.standard_normal((experts, 2 * inter, hidden)) * 0.2).astype(np.float32)
-    fc2 = (rng.standard_normal((experts, hidden, inter)) * 0.2).astype(np.float32)
-    routing = dict(k=2, activation_type="swiglu", swiglu_fusion=1, activation_alpha=1.0, activation_beta=0.0,
-                   normalize_routing_weights=1)
-    nodes = {"MoE": (helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], domain="com.microsoft", **routing),
+    tokens, block = 12, 32
+    x, logits, fc1, fc2 = random_experts(1, tokens=tokens, hidden=64, inter=32, experts=4)
+    nodes = {"MoE": (helper.make_node("MoE", ["x", "r", "w1", "", "w2"], ["y"], domain="com.microsoft", **ROUTING),
                      {"w1": fc1, "w2": fc2})}
     for bits in (8, 4):
         (q1, s1), (q2, s2) = _expert_blocks(fc1, bits, block), _expert_blocks(fc2, bits, block)
         nodes[f"QMoE {bits}-bit"] = (
             helper.make_node("QMoE", ["x", "r", "q1", "s1", "", "q2", "s2"], ["y"], domain="com.microsoft",
-                             expert_weight_bits=bits, block_size=block, accuracy_level=4, **routing),
+                             expert_weight_bits=bits, block_size=block, accuracy_level=4, **ROUTING),
             {"q1": q1, "s1": s1, "q2": q2, "s2": s2})
     for op, (node, weights) in nodes.items():
-        graph = helper.make_graph([node], "moe", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
-                                                  for n in ("x", "r")],
-                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                                  initializer=[numpy_helper.from_array(a, n) for n, a in weights.items()])
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18),
-                                                        helper.make_opsetid("com.microsoft", 1)])
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+        session = experts_session(node, weights)
         together = session.run(None, {"x": x, "r": logits})[0]
         alone = [session.run(None, {"x": x[[t]], "r": logits[[t]]})[0][0] for t in range(tokens)]
         twins = [session.run(None, {"x": x[[t, t]], "r": logits[[t, t]]})[0][0] for t in range(tokens)]
