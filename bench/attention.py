@@ -9,7 +9,8 @@ default, runtime/_cpu_kernels*.so). SmolLM2's shapes (9 query heads, 3 KV heads,
 a step of `batch` rows, one new token each after `context` cached tokens, run over `layers` separate
 caches one after another as a model's layers are, so that the caches together outgrow the CPU's caches
 as a real step's do (30 layers of an int8 cache at batch 8 and 1,500 tokens: 173 MB). Each round runs
-every library once, in turn; a cell is the median over rounds, in ms a step (all layers). Writes JSON and
+every library once, in turn (the order reversed every other round); a cell is the median over rounds, in
+ms a step (all layers), keyed by the library's position and path. Writes JSON and
 prints a Markdown table with each library's speed-up over the first."""
 
 from __future__ import annotations
@@ -128,14 +129,17 @@ def main() -> None:
             runs.append((sess, bound_steps(sess, [{k: v.copy() for k, v in c.items()} for c in layer_caches], feeds)))
         times: list[list[float]] = [[] for _ in libraries]
         for round_number in range(args.rounds + 1):
-            for index, (sess, steps) in enumerate(runs):
+            order = range(len(runs)) if round_number % 2 else reversed(range(len(runs)))  # neither always first
+            for index in order:
+                sess, steps = runs[index]
                 start = time.perf_counter()
                 for binding, _ in steps:
                     sess.run_with_iobinding(binding)
                 if round_number:  # the first round faults the pages in
                     times[index].append(time.perf_counter() - start)
-        results[cache] = {str(library): statistics.median(t) * 1000
-                          for library, t in zip(libraries, times, strict=True)}
+        # keyed by position too: the same file may be given twice (to see the run's noise)
+        results[cache] = {f"{number}: {library}": statistics.median(t) * 1000
+                          for number, (library, t) in enumerate(zip(libraries, times, strict=True), 1)}
     report = {"batch": args.batch, "context": args.context, "layers": args.layers, "threads": args.threads,
               "rounds": args.rounds, "ms_per_step": results}
     args.output.parent.mkdir(parents=True, exist_ok=True)
