@@ -51,10 +51,12 @@
    holds (a prompt's). A decode step over it runs its own arithmetic instead (attend_int8_decode): the
    query as 15-bit codes a block of 16, multiplied by the keys' codes in integers (VNNI), then by both
    steps in fp32; the probabilities times each block of values in fused multiply-adds. Within 1e-4 of
-   the fp32 op's numbers over the same cache (outputs up to 3 in the tests), and still the same instructions in the same order
-   whatever the batch. Why: widening every code of a long cache to fp32 and transposing the floats was
-   most of an int8 step's time; a step at batch 8 over 1,500 tokens went from 20 to 11 ms (30 layers of
-   SmolLM2's shapes, two threads). Why blocks of 16 within one token's head: a token's keys and values are written once, when it
+   the fp32 op's numbers over the same cache (outputs up to 3 in the tests), and still the same
+   instructions in the same order whatever the batch. Why: widening every code of a long cache to fp32
+   and transposing the floats was most of an int8 step's time; attention at batch 8 over 1,500 tokens
+   became 1.4x to 1.8x faster (bench/attention.py: 30 layers of SmolLM2's shapes, two threads).
+
+   Why blocks of 16 within one token's head: a token's keys and values are written once, when it
    comes, so a scale over more tokens would have to be fixed before the numbers it covers are known, or
    rewritten; and a key's few large channels (rotary pairs of high magnitude) would set the step of all
    its d numbers under one scale: SmolLM2's fp32 with one scale a slot and head (d = 64) lost 1.4 points
