@@ -197,19 +197,28 @@ static inline __attribute__((always_inline)) __m512 load_cached(const void* slot
     return _mm512_loadu_ps((const float*)slots + j * d + c);
 }
 
-/* x [d] into an int8 cache's slot, a block of 16 at a time: codes round-to-nearest-even(x * (127 / m)),
-   m the block's max|x|, after all of them the blocks' scales m / 127 (0 and zero codes where m is 0). A
-   block with a NaN or an infinity gets a NaN scale, so it reads back as NaN, as the fp32 op would pass
-   it on, not as numbers. */
+/* 16 numbers as integer codes of `levels` steps a side (127 for the int8 cache, 32767 for a query):
+   round-to-nearest-even(x * (levels / m)), m the block's max|x|, into *largest. A block with a NaN or an
+   infinity gets zero codes and m NaN, so what its step scales reads as NaN, as the fp32 op would pass it
+   on, not as numbers. A block below levels / FLT_MAX (about 1e-34 to 1e-36) gets zero codes and m 0: its
+   inverse would be infinite. */
+static inline __m512i block_codes(__m512 block, float levels, float* largest) {
+    __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(block), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
+    float m = _mm512_reduce_max_ps(_mm512_abs_ps(block));
+    if (finite != 0xFFFF) m = NAN;
+    else if (m <= levels / FLT_MAX) m = 0.0f;
+    *largest = m;
+    __m512 inverse = _mm512_set1_ps(m > 0.0f ? levels / m : 0.0f);
+    return _mm512_cvt_roundps_epi32(_mm512_mul_ps(block, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+
+/* x [d] into an int8 cache's slot, a block of 16 at a time (block_codes), after all of them the blocks'
+   scales m / 127 (0 and zero codes where m is 0, NaN for a block with a NaN or an infinity). */
 static void store_int8(const float* x, int64_t d, int8_t* slot) {
     for (int64_t c = 0; c < d; c += INT8_BLOCK) {
-        __m512 block = _mm512_loadu_ps(x + c);
-        __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(block), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
-        float largest = _mm512_reduce_max_ps(_mm512_abs_ps(block)), scale = largest / 127.0f;
-        if (finite != 0xFFFF) largest = 0.0f, scale = NAN;
-        __m512 inverse = _mm512_set1_ps(largest > 0.0f ? 127.0f / largest : 0.0f);
-        __m512i codes = _mm512_cvt_roundps_epi32(_mm512_mul_ps(block, inverse),
-                                                 _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+        float largest;
+        __m512i codes = block_codes(_mm512_loadu_ps(x + c), 127.0f, &largest);
+        float scale = largest / 127.0f;
         _mm_storeu_si128((__m128i*)(slot + c), _mm512_cvtsepi32_epi8(codes));
         memcpy(slot + d + 4 * (c / INT8_BLOCK), &scale, sizeof scale);
     }
@@ -338,6 +347,19 @@ static inline __m512 mlas_exp(__m512 x, __m512 shift) {
     p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.0f));
     p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(1.0f));
     return _mm512_scalef_ps(p, m);
+}
+
+/* scores[0 .. n) += the attention bias of (row, head), query position i, from slot `start` (the mask's
+   pad slots, as the compiler writes it). */
+static void add_bias(const Job* job, int64_t row, int64_t head, int64_t i, int64_t start, int64_t n, float* scores) {
+    const float* bias = job->bias + ((job->bias_rows == 1 ? 0 : row * job->bias_heads) +
+                                     (job->bias_heads == 1 ? 0 : head)) * job->seq * job->bias_slots +
+                        i * job->bias_slots + start;
+    for (int64_t j = 0; j < n; j += LANES) {
+        __mmask16 lanes = first_lanes(n - j);
+        _mm512_mask_storeu_ps(scores + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, scores + j),
+                                                               _mm512_maskz_loadu_ps(lanes, bias + j)));
+    }
 }
 
 static float row_max(const float* scores, int64_t n) {
@@ -469,25 +491,18 @@ static void weighted_sums(float* const* probs, int rows, int64_t n, const void* 
 
 /* -- a decode step over an int8 cache ------------------------------------------------------------- */
 
-/* A query's numbers as int16 codes for the int8 cache's keys, a block of 16 at a time: codes
-   round-to-nearest-even(q * (32767 / m)), m the block's max|q|, and the block's step m / 32767 times
-   alpha into steps (NaN where the block holds a NaN or an infinity, so the scores are NaN as the fp32
-   op's would be). 15 bits: the query adds an error some 250 times below the keys' own 8-bit one. */
+/* A query's numbers as int16 codes for the int8 cache's keys, a block of 16 at a time (block_codes), and
+   the block's step m / 32767 times alpha into steps (NaN for a block with a NaN or an infinity, so the
+   scores are NaN as the fp32 op's would be). 15 bits: the query adds an error some 250 times below the
+   keys' own 8-bit one. */
 static void query_codes(const float* q, int64_t d, float alpha, int16_t* codes, float* steps) {
+    /* in the order int8_score_chunk reads them: of each 4 dimensions, 0, 2, 1, 3 */
+    const __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
     for (int64_t c = 0; c < d; c += INT8_BLOCK) {
-        __m512 block = _mm512_loadu_ps(q + c);
-        __mmask16 finite = _mm512_cmp_ps_mask(_mm512_abs_ps(block), _mm512_set1_ps(FLT_MAX), _CMP_LE_OQ);
-        float largest = _mm512_reduce_max_ps(_mm512_abs_ps(block));
-        float step = finite == 0xFFFF ? largest / 32767.0f * alpha : NAN;
-        /* a block below 32767 / FLT_MAX (1e-34) counts as zeros: its inverse would be infinite */
-        int scaled = finite == 0xFFFF && largest > 32767.0f / FLT_MAX;
-        if (!scaled && finite == 0xFFFF) step = 0.0f;
-        __m512 inverse = _mm512_set1_ps(scaled ? 32767.0f / largest : 0.0f);
-        __m512i rounded = _mm512_cvt_roundps_epi32(_mm512_mul_ps(block, inverse), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-        /* in the order int8_score_chunk reads them: of each 4 dimensions, 0, 2, 1, 3 */
-        __m512i order = _mm512_setr_epi32(0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15);
+        float largest;
+        __m512i rounded = block_codes(_mm512_loadu_ps(q + c), 32767.0f, &largest);
         _mm256_storeu_si256((__m256i*)(codes + c), _mm512_cvtsepi32_epi16(_mm512_permutexvar_epi32(order, rounded)));
-        steps[c / INT8_BLOCK] = step;
+        steps[c / INT8_BLOCK] = largest / 32767.0f * alpha;
     }
 }
 
@@ -566,18 +581,16 @@ static void int8_scores(const int8_t* keys, int64_t n, int64_t d, int64_t group,
                         const float* steps, float* const* scores) {
     int64_t width = int8_width(d);
     for (int64_t j0 = 0; j0 < n; j0 += LANES) {
-        int64_t count = n - j0;
+        int64_t count = n - j0 < LANES ? n - j0 : LANES;
         prefetch_slots(keys + (j0 + PREFETCH_AHEAD) * width, LANES, width, keys + n * width);
         for (int64_t c0 = 0; c0 < d; c0 += 4 * INT8_BLOCK) {
             int blocks = d - c0 >= 4 * INT8_BLOCK ? 4 : (int)((d - c0) / INT8_BLOCK);
-            if (count >= LANES && blocks == 4) int8_score_chunk(keys, j0, LANES, d, c0, 4, group, codes, steps, scores);
+            /* literal counts and blocks, so that each chunk's loops unroll into registers */
+            if (count == LANES && blocks == 4) int8_score_chunk(keys, j0, LANES, d, c0, 4, group, codes, steps, scores);
             else if (blocks == 4) int8_score_chunk(keys, j0, count, d, c0, 4, group, codes, steps, scores);
-            else {  /* the last 16, 32 or 48 dimensions */
-                int64_t keys_here = count < LANES ? count : LANES;
-                if (blocks == 3) int8_score_chunk(keys, j0, keys_here, d, c0, 3, group, codes, steps, scores);
-                else if (blocks == 2) int8_score_chunk(keys, j0, keys_here, d, c0, 2, group, codes, steps, scores);
-                else int8_score_chunk(keys, j0, keys_here, d, c0, 1, group, codes, steps, scores);
-            }
+            else if (blocks == 3) int8_score_chunk(keys, j0, count, d, c0, 3, group, codes, steps, scores);
+            else if (blocks == 2) int8_score_chunk(keys, j0, count, d, c0, 2, group, codes, steps, scores);
+            else int8_score_chunk(keys, j0, count, d, c0, 1, group, codes, steps, scores);
         }
     }
 }
@@ -660,16 +673,7 @@ static void attend_int8_decode(const Job* job, int64_t row, int64_t g, float* sc
     }
     int8_scores(keys, n, d, group, codes, steps, probs);
     for (int64_t h = 0; h < group; h++) {
-        if (job->bias) {
-            int64_t head = g * group + h;
-            const float* bias = job->bias + ((job->bias_rows == 1 ? 0 : row * job->bias_heads) +
-                                             (job->bias_heads == 1 ? 0 : head)) * job->bias_slots;
-            for (int64_t j = 0; j < n; j += LANES) {
-                __mmask16 lanes = first_lanes(n - j);
-                _mm512_mask_storeu_ps(probs[h] + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, probs[h] + j),
-                                                                         _mm512_maskz_loadu_ps(lanes, bias + j)));
-            }
-        }
+        if (job->bias) add_bias(job, row, g * group + h, 0, 0, n, probs[h]);
         float summed = exponentials(probs[h], n, row_max(probs[h], n));
         factor[h] = summed > 0.0f ? 1.0f / summed : 0.0f;
     }
@@ -761,17 +765,7 @@ static void attend(const Job* job, int64_t item, float* scratch) {
                 }
             }
             for (int64_t h = 0; h < group; h++) {
-                if (job->bias) {
-                    int64_t head = g * group + h;
-                    const float* bias = job->bias + ((job->bias_rows == 1 ? 0 : row * job->bias_heads) +
-                                                     (job->bias_heads == 1 ? 0 : head)) * job->seq * job->bias_slots +
-                                        i * job->bias_slots + start;
-                    for (int64_t j = 0; j < live; j += LANES) {
-                        __mmask16 lanes = first_lanes(live - j);
-                        _mm512_mask_storeu_ps(probs[h] + j, lanes, _mm512_add_ps(_mm512_maskz_loadu_ps(lanes, probs[h] + j),
-                                                                                  _mm512_maskz_loadu_ps(lanes, bias + j)));
-                    }
-                }
+                if (job->bias) add_bias(job, row, g * group + h, i, start, live, probs[h]);
                 float block_most = row_max(probs[h], live);
                 if (start == 0) {
                     most[h] = block_most;

@@ -355,6 +355,19 @@ def test_an_all_zero_slot_is_stored_with_scale_zero_and_reads_as_zeros():
     assert not out[1][0, 0, 4].any() and np.isfinite(out[0]).all()
 
 
+def test_a_block_too_small_to_scale_is_stored_as_zeros():
+    """A block whose largest number is below 127 / FLT_MAX (1e-37 here) is stored as zero codes and a zero
+    scale (its inverse would be infinite, every code saturated), and a query block below 32767 / FLT_MAX
+    counts as zeros: the outputs stay those of the cache's other numbers."""
+    feeds = inputs_for(np.random.default_rng(2), 9, 3, 64, 1, 1, 16, [5], False, rotary=False)
+    feeds["query"][0, 0, 9 * 64:9 * 64 + 16] = 1e-37  # kv head 0's new key, its first block
+    feeds["query"][0, 0, :16] = 1e-36  # query head 0's first block
+    packed = {**feeds, "past_key": int8_slots(feeds["past_key"]), "past_value": int8_slots(feeds["past_value"])}
+    out = run(attention_session(cpu_kernels.DOMAIN, 9, 3, 64, rotary=False, int8_cache=True), packed, True)
+    assert not out[1][0, 0, 4, :16].any() and int8_values(out[1])[0, 0, 4, 0] == 0
+    assert np.isfinite(out[0]).all()
+
+
 def test_an_int8_block_with_a_nan_reads_back_as_nan():
     """The fp32 op passes a NaN key on to the outputs; an int8 cache must not turn it into numbers."""
     feeds = inputs_for(np.random.default_rng(3), 9, 3, 64, 1, 1, 16, [5], False, rotary=False)
