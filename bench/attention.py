@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 HEADS, KV_HEADS, HEAD_SIZE = 9, 3, 64
-CACHE_TYPES = {"fp32": (np.float32, 1), "fp16": (np.float16, 10), "int8": (np.int8, 3)}  # numpy type, TensorProto
+CACHE_TYPES = {"fp32": np.float32, "fp16": np.float16, "int8": np.int8}
 
 
 def session(library: Path, cache: str, threads: int):
@@ -39,7 +39,7 @@ def session(library: Path, cache: str, threads: int):
 
     op = {"fp32": cpu_kernels.ATTENTION_OP, "fp16": cpu_kernels.ATTENTION_FP16_CACHE_OP,
           "int8": cpu_kernels.ATTENTION_INT8_CACHE_OP}[cache]
-    kv_type = CACHE_TYPES[cache][1]
+    kv_type = helper.np_dtype_to_tensor_dtype(np.dtype(CACHE_TYPES[cache]))
     width = HEAD_SIZE * 5 // 4 if cache == "int8" else HEAD_SIZE
     inputs = [helper.make_tensor_value_info("query", TensorProto.FLOAT, ["b", "s", (HEADS + 2 * KV_HEADS) * HEAD_SIZE])]
     inputs += [helper.make_tensor_value_info(n, kv_type, ["b", KV_HEADS, "slots", width])
@@ -67,7 +67,7 @@ def caches(cache: str, batch: int, slots: int, layers: int, rng) -> list[dict[st
     def one() -> np.ndarray:
         x = rng.standard_normal((batch, KV_HEADS, slots, HEAD_SIZE), np.float32)
         if cache != "int8":
-            return x.astype(CACHE_TYPES[cache][0])
+            return x.astype(CACHE_TYPES[cache])
         blocks = x.reshape(*x.shape[:-1], -1, 16)
         largest = np.abs(blocks).max(-1, keepdims=True)
         codes = np.rint(blocks * (127 / largest)).astype(np.int8).reshape(x.shape)
